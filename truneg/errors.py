@@ -1,0 +1,26 @@
+"""User-facing errors: one line that says what is wrong and how to fix it."""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class UserError(Exception):
+    """A mistake in the user's input. Printed as one line, exit status 2, no traceback."""
+
+
+def exit_on_user_error(fn: F) -> F:
+    """Turn a UserError raised by a command's entry point into `truneg: error: ...` and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as err:
+            print(f"truneg: error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]

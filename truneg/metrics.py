@@ -1,0 +1,118 @@
+"""Training metrics: summed over the micro-steps of a log interval and over ranks, then written by rank 0
+to DeepSpeed's monitor (tensorboard / csv / wandb, as the config says) and to `metrics.jsonl`.
+
+Events go against the number of samples seen, as DeepSpeed's own `Train/Samples/*` events do, so that
+after a resume one purge step cleans the tensorboard history of both.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class MetricsLogger:
+    def __init__(self, engine, output_dir: Path, seq_len: int, rank: int):
+        self.engine, self.seq_len, self.rank = engine, seq_len, rank
+        self.jsonl = output_dir / "metrics.jsonl"
+        self.sums: dict[str, float] = {}
+        self.micro_steps = 0
+        self.nonfinite_steps = 0
+        self.interval_start = time.perf_counter()
+        self.interval_samples = 0
+
+    def add(self, stats: dict[str, torch.Tensor], loss: torch.Tensor, samples: int) -> None:
+        """Accumulate one micro-step (stats are detached 0-d tensors; no host sync here)."""
+        for key, value in {"loss": loss.detach(), **stats}.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value.double()
+        self.micro_steps += 1
+        self.interval_samples += samples
+
+    def count_nonfinite(self) -> None:
+        self.nonfinite_steps += 1
+
+    # The accumulator is part of a rank's resumable state, so a resume logs the same numbers.
+    def state_dict(self) -> dict:
+        return {
+            "sums": {k: float(v) for k, v in self.sums.items()},
+            "micro_steps": self.micro_steps,
+            "nonfinite_steps": self.nonfinite_steps,
+            "interval_samples": self.interval_samples,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums = {k: torch.tensor(v, dtype=torch.float64) for k, v in state["sums"].items()}
+        self.micro_steps = state["micro_steps"]
+        self.nonfinite_steps = state["nonfinite_steps"]
+        self.interval_samples = state["interval_samples"]
+
+    def _reduced(self, device) -> dict[str, float]:
+        keys = sorted(self.sums)
+        values = torch.stack([torch.as_tensor(self.sums[k], dtype=torch.float64) for k in keys]).to(device)
+        counters = torch.tensor(
+            [self.micro_steps, self.nonfinite_steps, self.interval_samples], dtype=torch.float64, device=device
+        )
+        packed = torch.cat([values, counters])
+        if dist.is_initialized():
+            dist.all_reduce(packed)
+        totals = dict(zip(keys + ["micro_steps", "nonfinite_steps", "samples"], packed.tolist()))
+        return totals
+
+    def log(self, step: int) -> dict | None:
+        """All-reduce the interval's sums (a collective: every rank calls it) and write on rank 0."""
+        if not self.sums:
+            return None
+        device = next(iter(self.sums.values())).device
+        totals = self._reduced(device)
+        elapsed = time.perf_counter() - self.interval_start
+        micro = max(totals["micro_steps"], 1.0)
+        record = {"step": step, "samples": int(self.engine.global_samples)}
+        for key in ("loss", "mlm_loss", "gen_loss", "disc_loss", "sr_loss"):
+            if key in totals:
+                record[key] = totals[key] / micro
+        if "disc_tokens" in totals:
+            record["disc_accuracy"] = totals["disc_correct"] / max(totals["disc_tokens"], 1.0)
+        record["hc_corrected"] = int(totals["corrected"])
+        record["hc_iter_ratio"] = totals["sequences_corrected"] / max(totals["sequences"], 1.0)
+        record["hc_pred_ratio"] = totals["corrected"] / max(totals["mismatched"], 1.0)
+        record["mlm_accuracy"] = 1.0 - totals["mismatched"] / max(totals["masked"], 1.0)
+        record["lr"] = self.engine.get_lr()[0]
+        if self.engine.fp16_enabled():
+            record["loss_scale"] = float(self.engine.optimizer.cur_scale)
+        record["nonfinite_steps"] = int(totals["nonfinite_steps"])
+        record["samples_per_sec"] = totals["samples"] / elapsed if elapsed > 0 else math.nan
+        record["tokens_per_sec"] = record["samples_per_sec"] * self.seq_len
+        if self.rank == 0:
+            self.engine.monitor.write_events(
+                [(f"Train/Samples/{k}", v, record["samples"]) for k, v in record.items() if k not in ("step", "samples")]
+            )
+            with open(self.jsonl, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+        self.sums, self.micro_steps, self.nonfinite_steps, self.interval_samples = {}, 0, 0, 0
+        self.interval_start = time.perf_counter()
+        return record
+
+    def truncate_after(self, step: int) -> None:
+        """On resume from `step`: drop the records the interrupted run wrote after it (rank 0)."""
+        if self.rank != 0 or not self.jsonl.is_file():
+            return
+        kept = [line for line in self.jsonl.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] <= step]
+        tmp = self.jsonl.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp.replace(self.jsonl)
+
+    def purge_tensorboard_after(self, samples: int) -> None:
+        """Reopen DeepSpeed's tensorboard writer with a purge step, so that events the interrupted run wrote
+        after the checkpoint are hidden instead of doubled."""
+        tb = getattr(self.engine.monitor, "tb_monitor", None)
+        if self.rank != 0 or tb is None or tb.summary_writer is None:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = tb.summary_writer.log_dir
+        tb.summary_writer.close()
+        tb.summary_writer = SummaryWriter(log_dir=log_dir, purge_step=samples + 1)

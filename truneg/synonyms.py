@@ -1,0 +1,345 @@
+"""Synonym tables for hard correction: which vocabulary tokens count as synonyms of a gold token.
+
+A table is CSR over the vocabulary: row `w` lists, sorted, the token ids that are synonyms of `w`
+(never `w` itself). It is built from WordNet (through nltk), from embedding nearest neighbours, or from
+a user's TSV, and saved as `.npz` together with the vocab's sha256, the source and the options.
+`SynonymLookup` turns it into sorted int64 keys `row * V + col` on the device, so membership is one
+`torch.searchsorted` with no host sync.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from truneg.errors import UserError
+
+WHOLE_WORD = re.compile(r"[a-z]{2,}", re.IGNORECASE)
+SOURCES = ("wordnet", "embedding", "tsv")
+SHIPPED_WORDNET_TABLE = Path(__file__).parent / "assets" / "synonyms" / "wordnet_bert-base-uncased.npz"
+
+
+def vocab_sha256(tokens: Sequence[str]) -> str:
+    """sha256 of the vocab as `vocab.txt` lays it out, one token per line (equal to the file's sha256sum)."""
+    return hashlib.sha256(("\n".join(tokens) + "\n").encode("utf-8")).hexdigest()
+
+
+def read_vocab(path: str | Path) -> list[str]:
+    """Tokens of a `vocab.txt`, or of a tokenizer folder that holds one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "vocab.txt"
+    if not path.is_file():
+        raise UserError(f"vocab file {path} does not exist; pass a BERT vocab.txt or a folder holding one")
+    tokens = path.read_text(encoding="utf-8").split("\n")
+    if tokens and tokens[-1] == "":
+        tokens.pop()
+    if not tokens:
+        raise UserError(f"vocab file {path} is empty; pass a BERT vocab.txt")
+    return tokens
+
+
+def eligible_token_ids(tokens: Sequence[str]) -> np.ndarray:
+    """Whole-word tokens only: letters, two or more, so no `##` pieces, specials, [unused*] or single letters."""
+    return np.array([i for i, tok in enumerate(tokens) if WHOLE_WORD.fullmatch(tok)], dtype=np.int64)
+
+
+@dataclass
+class SynonymTable:
+    """CSR synonym table over a vocabulary: `indices[indptr[w]:indptr[w+1]]` are the synonyms of token w."""
+
+    indptr: np.ndarray  # int64 [V+1]
+    indices: np.ndarray  # int32, sorted within each row
+    tokens: list[str]
+    source: str
+    options: dict = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def sha256(self) -> str:
+        return vocab_sha256(self.tokens)
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.indptr[-1])
+
+    @property
+    def num_rows_with_synonyms(self) -> int:
+        return int(np.count_nonzero(np.diff(self.indptr)))
+
+    def row(self, token_id: int) -> np.ndarray:
+        return self.indices[self.indptr[token_id] : self.indptr[token_id + 1]]
+
+    def synonyms_of(self, word: str) -> list[str]:
+        token_id = self.token_to_id.get(word)
+        return [] if token_id is None else [self.tokens[j] for j in self.row(token_id)]
+
+    @property
+    def token_to_id(self) -> dict[str, int]:
+        if not hasattr(self, "_token_to_id"):
+            self._token_to_id = {tok: i for i, tok in enumerate(self.tokens)}
+        return self._token_to_id
+
+    def keys(self) -> np.ndarray:
+        """Sorted int64 keys `row * V + col`, the form the device lookup searches."""
+        rows = np.repeat(np.arange(self.vocab_size, dtype=np.int64), np.diff(self.indptr))
+        return rows * self.vocab_size + self.indices.astype(np.int64)
+
+    @classmethod
+    def from_pairs(cls, pairs: Iterable[tuple[int, int]], tokens: Sequence[str], source: str, options: dict):
+        """CSR from (row, col) id pairs; drops self-pairs and duplicates, sorts each row."""
+        arr = np.array(list(pairs), dtype=np.int64).reshape(-1, 2)
+        return cls.from_arrays(arr[:, 0], arr[:, 1], tokens, source, options)
+
+    @classmethod
+    def from_arrays(cls, rows: np.ndarray, cols: np.ndarray, tokens: Sequence[str], source: str, options: dict):
+        vocab_size = len(tokens)
+        keys = np.unique(rows.astype(np.int64) * vocab_size + cols.astype(np.int64))
+        keys = keys[keys // vocab_size != keys % vocab_size]
+        counts = np.bincount(keys // vocab_size, minlength=vocab_size)
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        indices = (keys % vocab_size).astype(np.int32)
+        return cls(indptr, indices, list(tokens), source, dict(options))
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(
+            tmp,
+            indptr=self.indptr,
+            indices=self.indices,
+            vocab=np.frombuffer("\n".join(self.tokens).encode("utf-8"), dtype=np.uint8),
+            vocab_sha256=np.array(self.sha256),
+            source=np.array(self.source),
+            options=np.array(json.dumps(self.options, sort_keys=True)),
+        )
+        tmp.replace(path)  # a reader never sees a half-written table
+
+    @classmethod
+    def load(cls, path: str | Path, expect_tokens: Sequence[str] | None = None) -> "SynonymTable":
+        """Load a `.npz` table; with `expect_tokens`, refuse a table built for another vocab."""
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"synonym table {path} does not exist; build one with `truneg synonyms build`")
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                indptr = npz["indptr"].astype(np.int64, copy=False)
+                indices = npz["indices"].astype(np.int32, copy=False)
+                tokens = npz["vocab"].tobytes().decode("utf-8").split("\n")
+                stored_sha = str(npz["vocab_sha256"])
+                source = str(npz["source"])
+                options = json.loads(str(npz["options"]))
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as err:
+            raise UserError(
+                f"synonym table {path} is corrupt or truncated ({type(err).__name__}); rebuild it with "
+                "`truneg synonyms build`"
+            ) from None
+        table = cls(indptr, indices, tokens, source, options)
+        ok = (
+            len(indptr) == len(tokens) + 1
+            and indptr[0] == 0
+            and indptr[-1] == len(indices)
+            and np.all(np.diff(indptr) >= 0)
+            and (len(indices) == 0 or (indices.min() >= 0 and indices.max() < len(tokens)))
+            and table.sha256 == stored_sha
+        )
+        if not ok:
+            raise UserError(f"synonym table {path} is inconsistent; rebuild it with `truneg synonyms build`")
+        if expect_tokens is not None and vocab_sha256(expect_tokens) != stored_sha:
+            raise UserError(
+                f"synonym table {path} was built for vocab sha256 {stored_sha[:12]}..., but the model's vocab "
+                f"is sha256 {vocab_sha256(expect_tokens)[:12]}...; rebuild the table with --vocab for this vocab"
+            )
+        return table
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_from_wordnet(tokens: Sequence[str], morphy: bool = False, progress: bool = False) -> SynonymTable:
+    """Synonyms = single-word lemma names of all synsets of the word that are whole vocab tokens.
+
+    nltk's index (`lemma -> pos -> synset offsets`) is loaded eagerly; parsing synsets is lazy and is
+    what makes a per-word `wn.synsets()` build slow. Two lemmas share a synset iff they share a
+    (pos, offset) in that index, so we invert it once instead of parsing synsets.
+    """
+    from tqdm import tqdm
+
+    from truneg.wordnet_setup import load_wordnet
+
+    wn = load_wordnet()
+    lemma_index = wn._lemma_pos_offset_map
+    lowercase = all(tok == tok.lower() for tok in tokens if WHOLE_WORD.fullmatch(tok))
+    token_to_id = {tok: i for i, tok in enumerate(tokens)}
+    eligible = set(eligible_token_ids(tokens).tolist())
+
+    # synset (pos, offset) -> token ids of its single-word lemmas; 's' (satellite) lives in data.adj.
+    members: dict[tuple[str, int], list[int]] = {}
+    for lemma, offsets_by_pos in lemma_index.items():
+        if "_" in lemma:
+            continue
+        token_id = token_to_id.get(lemma.lower() if lowercase else lemma)
+        if token_id is None or token_id not in eligible:
+            continue
+        for pos, offsets in offsets_by_pos.items():
+            for offset in offsets:
+                members.setdefault(("a" if pos == "s" else pos, offset), []).append(token_id)
+
+    def synsets_of(word: str) -> set[tuple[str, int]]:
+        found = {("a" if pos == "s" else pos, off) for pos, offs in lemma_index.get(word, {}).items() for off in offs}
+        if morphy:
+            # As `wn.synsets(word)` does: each base form contributes its synsets of that part of speech.
+            for pos in "nvar":
+                for base in wn._morphy(word, pos):
+                    found.update((pos, off) for off in lemma_index[base].get(pos, ()))
+        return found
+
+    rows, cols = [], []
+    for token_id in tqdm(sorted(eligible), desc="wordnet", disable=not progress, unit="word"):
+        for synset in synsets_of(tokens[token_id]):
+            synonyms = members.get(synset, ())
+            rows.extend([token_id] * len(synonyms))
+            cols.extend(synonyms)
+    options = {"morphy": morphy, "wordnet_version": str(wn.get_version())}
+    return SynonymTable.from_arrays(np.array(rows), np.array(cols), tokens, "wordnet", options)
+
+
+def read_word2vec(path: Path) -> dict[str, np.ndarray]:
+    """word2vec text (`N d` header, then `word v1 .. vd`) or binary format."""
+    with open(path, "rb") as fh:
+        header = fh.readline().split()
+        if len(header) != 2 or not all(h.isdigit() for h in header):
+            raise UserError(f"{path} is not a word2vec file (first line must be `<count> <dim>`)")
+        count, dim = int(header[0]), int(header[1])
+        rest = fh.read()
+    vectors: dict[str, np.ndarray] = {}
+    try:
+        text_lines = rest.decode("utf-8").splitlines()
+        is_text = all(len(line.split()) == dim + 1 for line in text_lines[: min(5, count)])
+    except UnicodeDecodeError:
+        is_text = False
+    if is_text:
+        for line in text_lines:
+            parts = line.rstrip().split(" ")
+            if len(parts) == dim + 1:
+                vectors[parts[0]] = np.asarray(parts[1:], dtype=np.float32)
+    else:
+        pos = 0
+        for _ in range(count):
+            end = rest.index(b" ", pos)
+            word = rest[pos:end].decode("utf-8", errors="replace").strip()
+            vectors[word] = np.frombuffer(rest, dtype=np.float32, count=dim, offset=end + 1).copy()
+            pos = end + 1 + 4 * dim
+    if not vectors:
+        raise UserError(f"{path} holds no vectors of dimension {dim}")
+    return vectors
+
+
+def embedding_matrix_for_vocab(source: str | Path, tokens: Sequence[str]) -> np.ndarray:
+    """[V, d] float32 matrix, rows of zeros for tokens the source lacks.
+
+    `source` is a word2vec file or an HF model folder (its input embeddings, which must match the vocab).
+    """
+    source = Path(source)
+    if source.is_dir():
+        from transformers import AutoModel
+
+        weight = AutoModel.from_pretrained(source).get_input_embeddings().weight.detach().float().numpy()
+        if weight.shape[0] < len(tokens):
+            raise UserError(f"model {source} has {weight.shape[0]} embeddings, fewer than the vocab's {len(tokens)}")
+        return weight[: len(tokens)]
+    if not source.is_file():
+        raise UserError(f"embeddings {source} do not exist; pass a word2vec file or an HF model folder")
+    vectors = read_word2vec(source)
+    dim = len(next(iter(vectors.values())))
+    matrix = np.zeros((len(tokens), dim), dtype=np.float32)
+    for i, tok in enumerate(tokens):
+        vec = vectors.get(tok)
+        if vec is not None:
+            matrix[i] = vec
+    return matrix
+
+
+def build_from_embeddings(
+    tokens: Sequence[str], embeddings: str | Path | np.ndarray, top_k: int = 10, min_cosine: float = 0.6
+) -> SynonymTable:
+    """The paper's Word2Vec variant: each eligible token's top-k eligible neighbours with cosine >= min_cosine."""
+    matrix = embeddings if isinstance(embeddings, np.ndarray) else embedding_matrix_for_vocab(embeddings, tokens)
+    ids = eligible_token_ids(tokens)
+    vecs = torch.from_numpy(np.ascontiguousarray(matrix[ids], dtype=np.float32))
+    norms = vecs.norm(dim=1, keepdim=True)
+    ids, vecs = ids[(norms.squeeze(1) > 0).numpy()], vecs[norms.squeeze(1) > 0] / norms[norms.squeeze(1) > 0]
+    rows, cols = [], []
+    k = min(top_k + 1, len(ids))
+    for start in range(0, len(ids), 4096):
+        sims = vecs[start : start + 4096] @ vecs.T
+        sims[torch.arange(sims.shape[0]), torch.arange(start, start + sims.shape[0])] = -2.0  # not itself
+        values, neighbours = sims.topk(k, dim=1)
+        keep = (values >= min_cosine) & (torch.arange(k) < top_k)
+        r, c = keep.nonzero(as_tuple=True)
+        rows.append(ids[start + r.numpy()])
+        cols.append(ids[neighbours[r, c].numpy()])
+    options = {"top_k": top_k, "min_cosine": min_cosine, "embeddings": str(embeddings) if not isinstance(embeddings, np.ndarray) else "array"}
+    return SynonymTable.from_arrays(np.concatenate(rows), np.concatenate(cols), tokens, "embedding", options)
+
+
+def build_from_tsv(tokens: Sequence[str], tsv: str | Path) -> SynonymTable:
+    """One `word<TAB>synonym` per line; pairs whose words are not whole vocab tokens are skipped."""
+    tsv = Path(tsv)
+    if not tsv.is_file():
+        raise UserError(f"TSV {tsv} does not exist; pass a file with one `word<TAB>synonym` per line")
+    token_to_id = {tok: i for i, tok in enumerate(tokens)}
+    eligible = set(eligible_token_ids(tokens).tolist())
+    pairs = []
+    for number, line in enumerate(tsv.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        parts = line.split("\t")
+        if len(parts) != 2:
+            raise UserError(f"{tsv}:{number}: expected `word<TAB>synonym`, got {line[:60]!r}")
+        word, synonym = (token_to_id.get(p.strip()) for p in parts)
+        if word in eligible and synonym in eligible:
+            pairs.append((word, synonym))
+    if not pairs:
+        raise UserError(f"TSV {tsv} has no `word<TAB>synonym` pair of whole vocab tokens; check its format and vocab")
+    return SynonymTable.from_pairs(pairs, tokens, "tsv", {"tsv": str(tsv)})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Device lookup
+# ---------------------------------------------------------------------------------------------------
+
+
+class SynonymLookup(nn.Module):
+    """On-device membership test `pred in V[gold]` through `torch.searchsorted` over sorted int64 keys."""
+
+    def __init__(self, table: SynonymTable):
+        super().__init__()
+        self.vocab_size = table.vocab_size
+        # Non-persistent: the table is data, not weights; int64 survives .half()/.bfloat16().
+        self.register_buffer("keys", torch.from_numpy(table.keys()), persistent=False)
+
+    def is_synonym(self, gold: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+        """Bool tensor shaped like `gold`: True where `pred` is in the synonym row of `gold`."""
+        if self.keys.numel() == 0:
+            return torch.zeros_like(gold, dtype=torch.bool)
+        query = gold.long() * self.vocab_size + pred.long()
+        position = torch.searchsorted(self.keys, query.reshape(-1)).clamp_(max=self.keys.numel() - 1)
+        return (self.keys[position] == query.reshape(-1)).reshape(gold.shape)
+
+    def forward(self, gold: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+        return self.is_synonym(gold, pred)
