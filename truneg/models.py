@@ -73,7 +73,14 @@ def _common_config(seq_len: int) -> dict:
     return dict(vocab_size=VOCAB_SIZE, max_position_embeddings=max(512, seq_len), type_vocab_size=2)
 
 
+def _correct(gold, pred, lookup: SynonymLookup | None) -> torch.Tensor | None:
+    """HC's corrected mask, or None without HC (so the baseline loss is the plain cross-entropy)."""
+    return None if lookup is None else hard_correction(gold, pred, lookup)
+
+
 def _stats_for_predictions(gold, pred, corrected, masked) -> dict[str, torch.Tensor]:
+    if corrected is None:
+        corrected = torch.zeros_like(gold, dtype=torch.bool)
     corrected_full = torch.zeros_like(masked)
     corrected_full[masked] = corrected
     return {
@@ -115,7 +122,7 @@ class BertPretrainer(nn.Module):
         gold = labels[masked]
         logits = self.masked_logits(input_ids, attention_mask, masked)
         pred = logits.detach().argmax(-1) if self.prediction == "argmax" else gumbel_max_sample(logits)
-        corrected = hard_correction(gold, pred, self.hc_lookup)
+        corrected = _correct(gold, pred, self.hc_lookup)
         loss = mlm_loss(logits, gold, corrected)
         stats = {"mlm_loss": loss.detach(), **_stats_for_predictions(gold, pred, corrected, masked)}
         if self.objective.sr != "none":
@@ -163,12 +170,12 @@ class ElectraPretrainer(nn.Module):
         gen_logits = self.masked_logits(input_ids, attention_mask, masked)
         sample = gumbel_max_sample(gen_logits)
         pred = sample if self.prediction == "sample" else gen_logits.detach().argmax(-1)
-        corrected = hard_correction(gold, pred, self.hc_lookup)
+        corrected = _correct(gold, pred, self.hc_lookup)
         gen_loss = mlm_loss(gen_logits, gold, corrected)
 
         # The discriminator always sees the sample; its HC relabelling is judged on the sample too.
         disc_input = input_ids.masked_scatter(masked, sample)
-        corrected_sample = corrected if pred is sample else hard_correction(gold, sample, self.hc_lookup)
+        corrected_sample = corrected if pred is sample else _correct(gold, sample, self.hc_lookup)
         disc_labels = replaced_token_labels(disc_input, original_ids, masked, corrected_sample)
         disc_out = self.discriminator.electra(input_ids=disc_input, attention_mask=attention_mask)
         disc_logits = self.discriminator.discriminator_predictions(disc_out.last_hidden_state)

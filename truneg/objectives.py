@@ -20,10 +20,8 @@ def gumbel_max_sample(logits: torch.Tensor, temperature: float = 1.0) -> torch.T
     return (logits.detach().float() / temperature + gumbel).argmax(dim=-1)
 
 
-def hard_correction(gold: torch.Tensor, pred: torch.Tensor, lookup: SynonymLookup | None) -> torch.Tensor:
+def hard_correction(gold: torch.Tensor, pred: torch.Tensor, lookup: SynonymLookup) -> torch.Tensor:
     """Bool mask of corrected positions: the prediction differs from the gold token and is its synonym."""
-    if lookup is None:
-        return torch.zeros_like(gold, dtype=torch.bool)
     return (pred != gold) & lookup.is_synonym(gold, pred)
 
 
@@ -33,7 +31,9 @@ def mlm_loss(logits: torch.Tensor, gold: torch.Tensor, corrected: torch.Tensor |
     With no position left the loss is 0 (not NaN), so a step whose predictions were all corrected
     still trains the rest of the model.
     """
-    keep = torch.ones_like(gold, dtype=torch.bool) if corrected is None else ~corrected
+    if corrected is None:  # the baseline: exactly the usual cross-entropy
+        return F.cross_entropy(logits.float(), gold) if gold.numel() else logits.sum() * 0.0
+    keep = ~corrected
     per_position = F.cross_entropy(logits.float(), gold, reduction="none")
     return (per_position * keep).sum() / keep.sum().clamp(min=1)
 
@@ -64,11 +64,13 @@ def sentence_regularization(
 
 
 def replaced_token_labels(
-    disc_input: torch.Tensor, original_ids: torch.Tensor, masked: torch.Tensor, corrected_sample: torch.Tensor
+    disc_input: torch.Tensor, original_ids: torch.Tensor, masked: torch.Tensor, corrected_sample: torch.Tensor | None
 ) -> torch.Tensor:
     """ELECTRA discriminator labels: 1 (replaced) where the input differs from the original, except where
     the generator's sample is a synonym of the gold token (hard correction: labelled original, 0)."""
     replaced = disc_input != original_ids
+    if corrected_sample is None:
+        return replaced.long()
     corrected_full = torch.zeros_like(masked)
     corrected_full[masked] = corrected_sample
     return (replaced & ~corrected_full).long()

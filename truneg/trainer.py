@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from truneg import checkpoint
+from truneg.export import save_hf_configs
 from truneg.errors import UserError
 
 RUN_FILE = "run.json"
@@ -156,6 +157,8 @@ def build_engine(args, ds_config: dict, tokenizer):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     except (AssertionError, ValueError) as err:
         raise UserError(f"DeepSpeed rejected the config: {str(err)[:300]}") from None
+    if dist.get_rank() == 0:
+        save_hf_configs(model, args.output_dir / "checkpoints")
     return engine
 
 

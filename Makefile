@@ -1,0 +1,37 @@
+# truneg: `make setup` (idempotent), `make demo`, `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# One cache of DeepSpeed's compiled comm op for every launch (it takes ~50 s to build once).
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export OMP_NUM_THREADS ?= 1
+export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+SETUP_STAMP := $(VENV)/.truneg-setup
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	# The CPU wheel of torch when none is installed; a GPU user's own torch is left alone.
+	$(PY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	# WordNet 3.0 for nltk, offline, from Debian's packages (skipped if nltk already finds a wordnet corpus).
+	$(PY) -c "from truneg.wordnet_setup import load_wordnet; load_wordnet()" 2>/dev/null || { \
+	  dpkg -s wordnet-base wordnet-sense-index >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq wordnet-base wordnet-sense-index; }; \
+	  $(PY) -m truneg.wordnet_setup; }
+	touch $(SETUP_STAMP)
+
+demo: setup
+	$(VENV)/bin/deepspeed --num_gpus 2 truneg/pretrain.py --model electra-tiny --hc wordnet --sr word \
+	  --max-steps 300 --save-steps 100 --log-steps 10 --output-dir runs/demo $(DEMO_ARGS)
+
+test: setup
+	$(VENV)/bin/pytest -q -x --durations=15 tests $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check truneg tests bench
+
+clean:
+	rm -rf runs .cache .pytest_cache

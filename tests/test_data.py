@@ -1,0 +1,116 @@
+"""Corpus packing and caching, the resumable sampler, and the masking schemes of DESIGN.md."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from truneg.data import (
+    MaskedBatches,
+    ResumableSampler,
+    build_blocks,
+    load_tokenizer,
+    mask_tokens,
+    open_blocks,
+    pack_blocks,
+)
+from truneg.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def test_pack_blocks_frames_each_block():
+    blocks = pack_blocks(np.arange(10, 33, dtype=np.int32), seq_len=6, cls_id=101, sep_id=102)
+    assert blocks.shape == (5, 6)  # 23 tokens -> 5 blocks of 4, the tail of 3 dropped
+    assert (blocks[:, 0] == 101).all() and (blocks[:, -1] == 102).all()
+    assert blocks[:, 1:-1].reshape(-1).tolist() == list(range(10, 30))
+
+
+def test_build_blocks_tokenizes_documents_and_caches(tmp_path, tokenizer):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the primary school\nwas closed today\n\nanother document begins here\n")
+    path = build_blocks(str(corpus), tokenizer, seq_len=6, cache_dir=tmp_path / "cache", num_proc=1)
+    blocks = open_blocks(path)
+    assert isinstance(blocks, np.memmap)
+    expected = tokenizer("the primary school")["input_ids"][1:-1] + tokenizer("was closed today")["input_ids"][1:-1]
+    expected += [tokenizer.sep_token_id] + tokenizer("another document begins here")["input_ids"][1:-1]
+    assert blocks[:, 1:-1].reshape(-1).tolist() == expected[: blocks.shape[0] * 4]
+    mtime = path.stat().st_mtime_ns
+    assert build_blocks(str(corpus), tokenizer, 6, tmp_path / "cache", 1) == path and path.stat().st_mtime_ns == mtime
+    assert build_blocks(str(corpus), tokenizer, 8, tmp_path / "cache", 1) != path  # seq-len changes the key
+    corpus.write_text("a different corpus with other words in it entirely\n")
+    assert build_blocks(str(corpus), tokenizer, 6, tmp_path / "cache", 1) != path  # content changes the key
+
+
+def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, tokenizer, capsys):
+    corpus = tmp_path / "bad.txt"
+    corpus.write_bytes(b"caf\xe9 and more words here to fill a block or two of text\n" * 4)
+    path = build_blocks(str(corpus), tokenizer, 8, tmp_path / "cache", 1)
+    assert open_blocks(path).shape[0] > 0
+    assert "4 undecodable bytes" in capsys.readouterr().out
+
+
+def test_missing_and_empty_corpus_are_clear_errors(tmp_path, tokenizer):
+    with pytest.raises(UserError, match="no text files found"):
+        build_blocks(str(tmp_path / "nope"), tokenizer, 8, tmp_path / "cache", 1)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match="is empty"):
+        build_blocks(str(tmp_path / "empty.txt"), tokenizer, 8, tmp_path / "cache", 1)
+
+
+@pytest.mark.parametrize("scheme,mask_share,random_share", [("bert", 0.8, 0.1), ("electra", 0.85, 0.0)])
+def test_masking_shares(tokenizer, scheme, mask_share, random_share):
+    rows = np.random.default_rng(0).integers(1000, 30000, (400, 128))
+    rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
+    ids, labels = mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme,
+                              seed=1, epoch=0, indices=np.arange(400))
+    ids, labels = ids.numpy(), labels.numpy()
+    selected = labels != -100
+    assert not selected[:, [0, -1]].any(), "special tokens are never selected"
+    assert abs(selected[:, 1:-1].mean() - 0.15) < 0.005
+    assert (labels[selected] == rows[selected]).all() and (ids[~selected] == rows[~selected]).all()
+    masked = ids[selected] == tokenizer.mask_token_id
+    unchanged = ids[selected] == rows[selected]
+    assert abs(masked.mean() - mask_share) < 0.015
+    assert abs((~masked & ~unchanged).mean() - random_share) < 0.01
+
+
+def test_masking_is_a_pure_function_of_seed_epoch_index(tokenizer):
+    rows = np.random.default_rng(0).integers(1000, 30000, (4, 64))
+    args = (tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), "bert")
+    a = mask_tokens(rows, *args, seed=3, epoch=0, indices=np.array([5, 6, 7, 8]))[1]
+    b = mask_tokens(rows[::-1], *args, seed=3, epoch=0, indices=np.array([8, 7, 6, 5]))[1]
+    assert (a.numpy() == b.numpy()[::-1]).all(), "a sequence's mask does not depend on its batch position"
+    c = mask_tokens(rows, *args, seed=3, epoch=1, indices=np.array([5, 6, 7, 8]))[1]
+    assert not (a == c).all(), "a new epoch draws new masks"
+
+
+def test_sampler_resumes_and_is_independent_of_world_size():
+    def take(sampler, n):
+        it = iter(sampler)
+        return [next(it) for _ in range(n)]
+
+    full = take(ResumableSampler(50, 4, 1, 0, seed=9), 30)  # 12 micro-batches an epoch: crosses 2 epochs
+    resumed = ResumableSampler(50, 4, 1, 0, seed=9)
+    first = take(resumed, 13)
+    state = resumed.state_dict()
+    again = ResumableSampler(50, 4, 1, 0, seed=9)
+    again.load_state_dict(state)
+    assert [(e, i.tolist()) for e, i in first + take(again, 17)] == [(e, i.tolist()) for e, i in full]
+    two = [ResumableSampler(50, 2, 2, r, seed=9) for r in range(2)]
+    steps = [take(s, 12) for s in two]
+    merged = [np.concatenate([steps[0][k][1], steps[1][k][1]]).tolist() for k in range(12)]
+    assert merged == [i.tolist() for _, i in full[:12]]
+    with pytest.raises(UserError, match="fewer than one micro-batch"):
+        ResumableSampler(3, 2, 2, 0, seed=0)
+
+
+def test_masked_batches_keep_originals(tokenizer):
+    blocks = np.random.default_rng(0).integers(1000, 30000, (20, 16)).astype(np.int32)
+    batches = MaskedBatches(blocks, ResumableSampler(20, 4, 1, 0, 0), tokenizer, "electra", seed=0)
+    batch = next(batches)
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "original_ids"}
+    selected = batch["labels"] != -100
+    assert (batch["original_ids"][selected] == batch["labels"][selected]).all()

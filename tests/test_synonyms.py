@@ -1,0 +1,187 @@
+"""Synonym tables on real WordNet (Debian's, through nltk), checked against nltk's own synset API."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from truneg import synonyms
+from truneg.errors import UserError
+from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable, eligible_token_ids
+from truneg.wordnet_setup import load_wordnet
+
+VOCAB = synonyms.Path(synonyms.__file__).parent / "assets" / "vocab" / "vocab.txt"
+
+
+@pytest.fixture(scope="module")
+def tokens() -> list[str]:
+    return synonyms.read_vocab(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def shipped(tokens) -> SynonymTable:
+    return SynonymTable.load(SHIPPED_WORDNET_TABLE, expect_tokens=tokens)
+
+
+def nltk_reference(tokens, morphy: bool) -> dict[str, set[str]]:
+    """Slow reference through nltk's Synset objects: lemma_names of the word's synsets."""
+    wn = load_wordnet()
+    words = {tokens[i] for i in eligible_token_ids(tokens)}
+    ref = {}
+    for word in words:
+        if morphy:
+            synsets = wn.synsets(word)
+        else:
+            synsets = [wn.synset_from_pos_and_offset("a" if p == "s" else p, off)
+                       for p, offs in wn._lemma_pos_offset_map.get(word, {}).items() for off in offs]
+        names = {n.lower() for s in synsets for n in s.lemma_names() if "_" not in n}
+        found = (names & words) - {word}
+        if found:
+            ref[word] = found
+    return ref
+
+
+def table_as_sets(table: SynonymTable) -> dict[str, set[str]]:
+    return {table.tokens[i]: {table.tokens[j] for j in table.row(i)} for i in range(table.vocab_size) if len(table.row(i))}
+
+
+def test_paper_pairs_present(shipped):
+    assert {"main", "chief", "principal"} <= set(shipped.synonyms_of("primary"))
+    assert {"remain", "continue"} <= set(shipped.synonyms_of("stay"))
+    assert "primary" in shipped.synonyms_of("main")
+
+
+def test_rows_hold_only_whole_words_and_never_the_word_itself(shipped):
+    rows = np.repeat(np.arange(shipped.vocab_size), np.diff(shipped.indptr))
+    assert not np.any(rows == shipped.indices), "a word is listed as its own synonym"
+    used = set(rows.tolist()) | set(shipped.indices.tolist())
+    bad = [shipped.tokens[i] for i in used if not shipped.tokens[i].isalpha() or len(shipped.tokens[i]) < 2
+           or shipped.tokens[i].startswith(("##", "[")) or shipped.tokens[i] != shipped.tokens[i].lower()]
+    assert bad == []
+    for start, end in zip(shipped.indptr[:-1], shipped.indptr[1:]):
+        assert np.all(np.diff(shipped.indices[start:end]) > 0), "rows must be sorted and unique"
+
+
+def test_exact_table_is_symmetric(shipped):
+    keys = set(shipped.keys().tolist())
+    vocab = shipped.vocab_size
+    assert all((k % vocab) * vocab + k // vocab in keys for k in keys)
+
+
+def test_exact_table_equals_nltk_synsets_and_size_matches_design(tokens, shipped):
+    assert table_as_sets(shipped) == nltk_reference(tokens, morphy=False)
+    assert 7_500 < shipped.num_rows_with_synonyms < 8_500 and 26_000 < shipped.num_entries < 29_000
+
+
+def test_morphy_table_equals_wn_synsets(tokens):
+    table = synonyms.build_from_wordnet(tokens, morphy=True)
+    assert table_as_sets(table) == nltk_reference(tokens, morphy=True)
+    assert "run" in table.synonyms_of("runs")
+    assert table.num_rows_with_synonyms > 1.5 * 8_000
+
+
+def test_rebuilding_the_shipped_table_gives_identical_arrays(tokens, shipped):
+    rebuilt = synonyms.build_from_wordnet(tokens)
+    np.testing.assert_array_equal(rebuilt.indptr, shipped.indptr)
+    np.testing.assert_array_equal(rebuilt.indices, shipped.indices)
+    assert shipped.indptr.dtype == np.int64 and shipped.indices.dtype == np.int32
+    assert shipped.source == "wordnet" and shipped.options["morphy"] is False
+
+
+def test_lookup_agrees_with_python_sets_on_random_and_real_pairs(shipped):
+    gen = torch.Generator().manual_seed(0)
+    vocab = shipped.vocab_size
+    real = torch.from_numpy(shipped.keys())
+    real_pairs = torch.stack([real // vocab, real % vocab], 1)
+    random_pairs = torch.randint(0, vocab, (100_000, 2), generator=gen)
+    swapped = real_pairs[:, [0, 0]]  # the word with itself: never a synonym
+    pairs = torch.cat([real_pairs, random_pairs, swapped])
+    reference = {(int(a), int(b)) for a, b in real_pairs}
+    expected = torch.tensor([(int(a), int(b)) in reference for a, b in pairs])
+    lookup = SynonymLookup(shipped)
+    for module in (lookup, lookup.half(), lookup.bfloat16()):
+        assert module.keys.dtype == torch.int64
+        got = module.is_synonym(pairs[:, 0].reshape(-1, 7), pairs[:, 1].reshape(-1, 7)).reshape(-1)
+        assert torch.equal(got, expected)
+    assert "keys" not in lookup.state_dict()
+
+
+def test_embedding_source_text_and_binary(tmp_path):
+    tokens = ["[PAD]", "[UNK]", "big", "large", "huge", "tiny", "##s", "a"]
+    vectors = {"big": [1, 0, 0], "large": [0.95, 0.1, 0], "huge": [0.9, 0.3, 0], "tiny": [-1, 0, 0], "##s": [1, 0, 0], "a": [1, 0, 0]}
+    text = tmp_path / "vec.txt"
+    text.write_text(f"{len(vectors)} 3\n" + "".join(f"{w} {' '.join(map(str, v))}\n" for w, v in vectors.items()))
+    binary = tmp_path / "vec.bin"
+    with open(binary, "wb") as fh:
+        fh.write(f"{len(vectors)} 3\n".encode())
+        for w, v in vectors.items():
+            fh.write(w.encode() + b" " + np.asarray(v, dtype=np.float32).tobytes())
+    for path in (text, binary):
+        table = synonyms.build_from_embeddings(tokens, path, top_k=1, min_cosine=0.8)
+        assert table.synonyms_of("big") == ["large"]
+        assert table.synonyms_of("huge") == ["large"]
+        assert table.synonyms_of("tiny") == []  # its nearest neighbour is below the threshold
+        assert table.synonyms_of("##s") == [] and table.synonyms_of("a") == []
+
+
+def test_tsv_source(tmp_path, tokens):
+    tsv = tmp_path / "syn.tsv"
+    tsv.write_text("primary\tmain\nmain\t##s\nfoo_bar\tmain\n")
+    table = synonyms.build_from_tsv(tokens, tsv)
+    assert table.synonyms_of("primary") == ["main"] and table.num_entries == 1
+
+
+def test_save_load_roundtrip(tmp_path, shipped, tokens):
+    path = tmp_path / "t.npz"
+    shipped.save(path)
+    loaded = SynonymTable.load(path, expect_tokens=tokens)
+    assert np.array_equal(loaded.indices, shipped.indices) and loaded.options == shipped.options
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, shipped, tokens, monkeypatch):
+    other_vocab = tokens[:-1] + ["zzzz"]
+    with pytest.raises(UserError, match=r"built for vocab sha256 07eced375cec.*vocab is sha256 [0-9a-f]{12}"):
+        SynonymTable.load(SHIPPED_WORDNET_TABLE, expect_tokens=other_vocab)
+    data = SHIPPED_WORDNET_TABLE.read_bytes()
+    (tmp_path / "trunc.npz").write_bytes(data[: len(data) // 2])
+    (tmp_path / "garbage.npz").write_bytes(b"not a zip at all")
+    for name in ("trunc.npz", "garbage.npz"):
+        with pytest.raises(UserError, match="corrupt or truncated"):
+            SynonymTable.load(tmp_path / name)
+    with pytest.raises(UserError, match="does not exist"):
+        SynonymTable.load(tmp_path / "missing.npz")
+    (tmp_path / "empty.tsv").write_text("")
+    with pytest.raises(UserError, match="no `word<TAB>synonym` pair"):
+        synonyms.build_from_tsv(tokens, tmp_path / "empty.tsv")
+
+
+def test_missing_wordnet_is_one_clear_error(tmp_path, monkeypatch, tokens):
+    import nltk
+
+    from truneg import wordnet_setup
+
+    load_wordnet.cache_clear()
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])
+    monkeypatch.setattr(wordnet_setup, "default_root", lambda: tmp_path)
+    try:
+        with pytest.raises(UserError, match="apt-get install wordnet-base"):
+            synonyms.build_from_wordnet(tokens)
+    finally:
+        load_wordnet.cache_clear()
+
+
+def test_cli_show_and_vocab_refusal(tmp_path):
+    truneg = [sys.executable, "-m", "truneg.cli"]
+    out = subprocess.run(truneg + ["synonyms", "show", str(SHIPPED_WORDNET_TABLE), "primary", "stay", "--vocab", str(VOCAB)],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].split("\t")[0] == "primary" and "main" in out[0].split("\t")[1].split()
+    assert out[1].startswith("stay\t") and "remain" in out[1].split("\t")[1].split()
+    other = tmp_path / "vocab.txt"
+    other.write_text("[PAD]\n[UNK]\nhello\n")
+    proc = subprocess.run(truneg + ["synonyms", "show", str(SHIPPED_WORDNET_TABLE), "primary", "--vocab", str(other)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "rebuild the table" in proc.stderr and "Traceback" not in proc.stderr

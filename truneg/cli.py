@@ -1,0 +1,92 @@
+"""The `truneg` command: synonym tables, export, false-negative analysis, fine-tuning and evaluation.
+
+Pre-training itself runs under the deepspeed launcher: `deepspeed truneg/pretrain.py ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from truneg.errors import UserError, exit_on_user_error
+
+
+def _synonyms_build(args) -> None:
+    import time
+
+    from truneg import synonyms
+
+    tokens = synonyms.read_vocab(args.vocab)
+    start = time.perf_counter()
+    if args.source == "wordnet":
+        table = synonyms.build_from_wordnet(tokens, morphy=args.morphy, progress=True)
+    elif args.source == "embedding":
+        if not args.embeddings:
+            raise UserError("--source embedding needs --embeddings (a word2vec file or an HF model folder)")
+        table = synonyms.build_from_embeddings(tokens, args.embeddings, args.top_k, args.min_cosine)
+    else:
+        if not args.tsv:
+            raise UserError("--source tsv needs --tsv FILE (one `word<TAB>synonym` per line)")
+        table = synonyms.build_from_tsv(tokens, args.tsv)
+    table.save(args.out)
+    print(f"{args.out}: {table.num_rows_with_synonyms} words with synonyms, {table.num_entries} entries, "
+          f"source {table.source}, built in {time.perf_counter() - start:.1f} s")
+
+
+def _synonyms_show(args) -> None:
+    from truneg import synonyms
+
+    expect = synonyms.read_vocab(args.vocab) if args.vocab else None
+    table = synonyms.SynonymTable.load(args.table, expect_tokens=expect)
+    for word in args.words:
+        print(f"{word}\t{' '.join(table.synonyms_of(word))}")
+
+
+def _export(args) -> None:
+    from truneg.export import export
+
+    for part, folder in export(args.checkpoint, args.out_dir, args.tokenizer).items():
+        print(f"{part}: {folder}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="truneg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    syn = commands.add_parser("synonyms", help="build or inspect synonym tables").add_subparsers(dest="action", required=True)
+    build = syn.add_parser("build", help="build a CSR synonym table (.npz)")
+    build.add_argument("--vocab", required=True, help="vocab.txt or a tokenizer folder")
+    build.add_argument("--source", choices=["wordnet", "embedding", "tsv"], default="wordnet")
+    build.add_argument("--tsv", help="for --source tsv: word<TAB>synonym lines")
+    build.add_argument("--embeddings", help="for --source embedding: word2vec file (text or binary) or HF model folder")
+    build.add_argument("--top-k", type=int, default=10)
+    build.add_argument("--min-cosine", type=float, default=0.6)
+    build.add_argument("--morphy", action="store_true", help="WordNet: add the synonyms of lemmatized forms")
+    build.add_argument("--out", required=True, type=Path)
+    build.set_defaults(func=_synonyms_build)
+    show = syn.add_parser("show", help="print the synonyms of words")
+    show.add_argument("table", type=Path)
+    show.add_argument("words", nargs="+")
+    show.add_argument("--vocab", help="refuse a table built for another vocab")
+    show.set_defaults(func=_synonyms_show)
+
+    exp = commands.add_parser("export", help="ZeRO checkpoint -> HF save_pretrained folder(s)")
+    exp.add_argument("checkpoint", help="<output-dir>/checkpoints, a tag folder in it, or the output dir")
+    exp.add_argument("out_dir")
+    exp.add_argument("--tokenizer", help="tokenizer folder to save beside the weights (default: bert-base-uncased)")
+    exp.set_defaults(func=_export)
+
+    from truneg import analysis_cli
+
+    analysis_cli.add_commands(commands)
+    return parser
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
