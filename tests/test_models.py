@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
-from truneg.models import ELECTRA_PRESETS, ObjectiveConfig, BertPretrainer, build_pretrainer
+from truneg.models import ELECTRA_PRESETS, BertPretrainer, ObjectiveConfig, build_pretrainer
 
 
 def masked_batch(seed=0, batch=4, length=32, vocab=30522):

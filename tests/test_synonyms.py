@@ -117,8 +117,7 @@ def test_embedding_source_text_and_binary(tmp_path):
     binary = tmp_path / "vec.bin"
     with open(binary, "wb") as fh:
         fh.write(f"{len(vectors)} 3\n".encode())
-        for w, v in vectors.items():
-            fh.write(w.encode() + b" " + np.asarray(v, dtype=np.float32).tobytes())
+        fh.writelines(w.encode() + b" " + np.asarray(v, dtype=np.float32).tobytes() for w, v in vectors.items())
     for path in (text, binary):
         table = synonyms.build_from_embeddings(tokens, path, top_k=1, min_cosine=0.8)
         assert table.synonyms_of("big") == ["large"]

@@ -8,6 +8,7 @@ HF configs were saved beside the checkpoints when the run started.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, ElectraForPreTraining
@@ -90,5 +91,8 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
         folder = out_dir if name == "mlm" else out_dir / name
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        vocab = Path(tokenizer_dir or DEFAULT_TOKENIZER) / "vocab.txt"
+        if vocab.is_file():  # transformers 5 writes only tokenizer.json; older readers and synonyms want vocab.txt
+            shutil.copyfile(vocab, folder / "vocab.txt")
         written[name] = folder
     return written

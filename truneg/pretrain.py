@@ -17,10 +17,10 @@ if __package__ in (None, ""):
     # module names (data, models, ...) from shadowing installed packages.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-import argparse  # noqa: E402
-import os  # noqa: E402
+import argparse
+import os
 
-from truneg.errors import UserError, exit_on_user_error  # noqa: E402
+from truneg.errors import UserError, exit_on_user_error
 
 DEFAULT_OUTPUT_DIR = "runs/pretrain"
 
@@ -28,7 +28,7 @@ DEFAULT_OUTPUT_DIR = "runs/pretrain"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     import deepspeed
 
-    from truneg.data import DEMO_CORPUS, DEFAULT_TOKENIZER
+    from truneg.data import DEFAULT_TOKENIZER, DEMO_CORPUS
     from truneg.models import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,9 +12,9 @@ import hashlib
 import json
 import re
 import zipfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -128,7 +128,7 @@ class SynonymTable:
         tmp.replace(path)  # a reader never sees a half-written table
 
     @classmethod
-    def load(cls, path: str | Path, expect_tokens: Sequence[str] | None = None) -> "SynonymTable":
+    def load(cls, path: str | Path, expect_tokens: Sequence[str] | None = None) -> SynonymTable:
         """Load a `.npz` table; with `expect_tokens`, refuse a table built for another vocab."""
         path = Path(path)
         if not path.is_file():

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from truneg import checkpoint
-from truneg.export import save_hf_configs
 from truneg.errors import UserError
+from truneg.export import save_hf_configs
 
 RUN_FILE = "run.json"
 
@@ -174,7 +174,7 @@ class TrainState:
     checkpoint_dir: Path
 
     @classmethod
-    def start(cls, args, engine, blocks, tokenizer, rank: int, world_size: int) -> "TrainState":
+    def start(cls, args, engine, blocks, tokenizer, rank: int, world_size: int) -> TrainState:
         from truneg.data import MaskedBatches, ResumableSampler
         from truneg.metrics import MetricsLogger
 

@@ -1,0 +1,188 @@
+"""Real 2-rank deepspeed launches: training, metrics, tensorboard, kill -9 and exact resume, export."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, deepspeed_cmd, kill_group, read_metrics, run, start, wait_for
+
+CASES = {
+    "bert-zero2": ("bert-tiny", "cpu_zero2.json"),
+    "electra-zero2": ("electra-tiny", "cpu_zero2.json"),
+    "bert-zero3": ("bert-tiny", "cpu_zero3.json"),
+    "electra-zero3": ("electra-tiny", "cpu_zero3.json"),
+}
+MAX_STEPS, SAVE_STEPS = 24, 8
+TIMING_KEYS = {"samples_per_sec", "tokens_per_sec"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train_args(case: str, out: Path, corpus: Path) -> list[str]:
+    model, config = CASES[case]
+    return ["--model", model, "--deepspeed_config", str(REPO / "ds_configs" / config), "--train-data", str(corpus),
+            "--seq-len", "64", "--micro-batch-size", "4", "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS),
+            "--log-steps", "1", "--output-dir", str(out), "--hc", "wordnet", "--sr", "word", "--lr", "2e-3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, launch_env, small_corpus):
+    """Each case trained once without interruption (lazily, shared by the tests of this module)."""
+    cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def get(case: str):
+        if case not in cache:
+            out = tmp_path_factory.mktemp(f"ref-{case}")
+            proc = run(deepspeed_cmd(*train_args(case, out, small_corpus), port=free_port()), launch_env)
+            cache[case] = (out, proc)
+        return cache[case]
+
+    return get
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def test_two_rank_launch_trains_logs_and_checkpoints(runs):
+    out, proc = runs("electra-zero2")
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+    for key in ("loss", "gen_loss", "disc_loss", "sr_loss", "lr", "samples_per_sec", "tokens_per_sec",
+                "hc_iter_ratio", "hc_pred_ratio", "hc_corrected", "disc_accuracy"):
+        assert key in records[-1], key
+    first, last = sum(r["loss"] for r in records[:4]) / 4, sum(r["loss"] for r in records[-4:]) / 4
+    assert last < first * 0.9, (first, last)
+    assert records[-1]["samples"] == MAX_STEPS * 4 * 2  # two ranks really trained
+    tags = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert tags == ["global_step16", "global_step24", "global_step8", "hf_config", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    shards = sorted(p.name for p in (out / "checkpoints" / "global_step24").iterdir())
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in shards and "truneg_rank00001.pt" in shards
+    assert "tensorboard --logdir" in proc.stdout
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    loss_events = events.Scalars("Train/Samples/loss")
+    assert [e.step for e in loss_events] == [r["samples"] for r in records]
+    assert [round(e.value, 4) for e in loss_events] == [round(r["loss"], 4) for r in records]
+    assert "Train/Samples/hc_iter_ratio" in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kill_9_then_resume_gives_bitwise_equal_losses(case, runs, tmp_path, launch_env, small_corpus):
+    reference_dir, _ = runs(case)
+    reference = comparable(read_metrics(reference_dir))
+    out = tmp_path / "run"
+    cmd_args = train_args(case, out, small_corpus)
+    proc = start(deepspeed_cmd(*cmd_args, port=free_port()), launch_env)
+    latest = out / "checkpoints" / "latest"
+    try:
+        assert wait_for(lambda: latest.is_file() or proc.poll() is not None, timeout=240), "no checkpoint appeared"
+        kill_group(proc, signal.SIGKILL)
+    finally:
+        kill_group(proc, signal.SIGKILL)
+        proc.wait(timeout=60)
+    killed_at = len(read_metrics(out))
+    assert proc.returncode != 0 and killed_at < MAX_STEPS, "the run ended before it could be killed"
+    resumed_from = int(latest.read_text().replace("global_step", ""))
+
+    second = run(deepspeed_cmd(*cmd_args, port=free_port()), launch_env)
+    assert f"resumed from {out / 'checkpoints'} at step {resumed_from}" in second.stdout
+    after = comparable(read_metrics(out))
+    assert [r["step"] for r in after] == list(range(1, MAX_STEPS + 1))
+    assert after == reference  # every loss, ratio and lr, bitwise (JSON keeps full float precision)
+
+
+def test_export_round_trip_bert(runs, tmp_path):
+    from transformers import BertForMaskedLM
+
+    out, _ = runs("bert-zero2")
+    exported = tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "truneg.cli",
+                    "export", str(out / "checkpoints"), str(exported)], check=True, capture_output=True, text=True)
+    model = BertForMaskedLM.from_pretrained(exported)
+    engine_weights = torch.load(out / "checkpoints" / "global_step24" / "mp_rank_00_model_states.pt",
+                                weights_only=False)["module"]
+    state = model.state_dict()
+    compared = 0
+    for key, value in engine_weights.items():
+        assert key.startswith("mlm.")
+        assert torch.equal(state[key[len("mlm."):]], value.float()), key
+        compared += 1
+    assert compared > 20
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(exported)) == 30522 and (exported / "vocab.txt").is_file()
+
+
+def test_export_round_trip_electra_zero3(runs, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining
+
+    from truneg.export import export
+
+    out, _ = runs("electra-zero3")
+    written = export(out / "checkpoints", tmp_path / "hf")
+    generator = ElectraForMaskedLM.from_pretrained(written["generator"])
+    discriminator = ElectraForPreTraining.from_pretrained(written["discriminator"])
+    # The checkpoint's own consolidation (DeepSpeed's checkpoint-folder script) is the reference.
+    script = out / "checkpoints" / "zero_to_fp32.py"
+    subprocess.run([sys.executable, str(script), str(out / "checkpoints"), str(tmp_path / "fp32")], check=True,
+                   capture_output=True, cwd=tmp_path)
+    reference = torch.load(next((tmp_path / "fp32").glob("*.bin")), weights_only=False)
+    for key, value in reference.items():
+        part, _, name = key.partition(".")
+        model = generator if part == "generator" else discriminator
+        assert torch.equal(model.state_dict()[name], value), key
+    shared = "electra.embeddings.word_embeddings.weight"
+    assert torch.equal(generator.state_dict()[shared], discriminator.state_dict()[shared])
+    assert torch.equal(generator.generator_lm_head.weight, generator.electra.embeddings.word_embeddings.weight)
+    assert len(get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"))) == len(reference)
+
+
+def test_every_ds_config_is_valid_for_deepspeed():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from truneg.config import prepare_config
+
+    configs = sorted((REPO / "ds_configs").glob("*.json"))
+    assert len(configs) >= 6
+    for path in configs:
+        config = DeepSpeedConfig(prepare_config(path, 1, 1000, Path("/tmp/unused")))
+        raw = json.loads(path.read_text())
+        assert config.train_batch_size == config.train_micro_batch_size_per_gpu * config.gradient_accumulation_steps
+        if "v100" in path.name:
+            assert config.float16_config.enabled and config.float16_config.loss_scale == 0  # dynamic scaling
+            assert raw["optimizer"]["type"] in ("Lamb", "Adam") and config.zero_optimization_stage == 2
+        if "bf16" in path.name:
+            assert config.bfloat16_config.enabled and config.zero_optimization_stage == 3
+        if path.name.startswith("cpu"):
+            assert raw["optimizer"]["params"]["torch_adam"] is True
+        assert config.gradient_clipping > 0 and raw["scheduler"]["params"]["total_num_steps"] == "auto"
+
+
+def test_hc_ratios_are_live_on_real_novels(tmp_path, launch_env):
+    from conftest import NOVELS, need_shared
+
+    corpus = need_shared(NOVELS) / "Austen_Emma.txt"
+    out = tmp_path / "novels"
+    run(deepspeed_cmd("--model", "electra-tiny", "--train-data", str(corpus), "--max-steps", "60", "--log-steps", "10",
+                      "--save-steps", "60", "--output-dir", str(out), "--hc", "wordnet", "--sr", "word",
+                      port=free_port()), launch_env)
+    records = read_metrics(out)
+    assert len(records) == 6
+    corrected = sum(r["hc_corrected"] for r in records)
+    assert corrected > 0 and all(0 <= r["hc_iter_ratio"] <= 1 and 0 <= r["hc_pred_ratio"] <= 1 for r in records)
+    assert any(r["hc_iter_ratio"] > 0 for r in records) and any(r["hc_pred_ratio"] > 0 for r in records)
+    assert all(r["sr_loss"] > 0 for r in records)
