@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,3 +84,49 @@ def wait_for(predicate, timeout: float, interval: float = 0.01) -> bool:
 def read_metrics(output_dir: Path) -> list[dict]:
     path = output_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+CASES = {
+    "bert-zero2": ("bert-tiny", "cpu_zero2.json", ()),
+    "electra-zero2": ("electra-tiny", "cpu_zero2.json", ()),
+    "bert-zero3": ("bert-tiny", "cpu_zero3.json", ()),
+    "electra-zero3": ("electra-tiny", "cpu_zero3.json", ()),
+    # no dropout, argmax predictions: deterministic up to reduction order, for a change of world size
+    "bert-deterministic": ("bert-tiny", "cpu_zero2.json", ("--dropout", "0")),
+}
+MAX_STEPS, SAVE_STEPS = 24, 8
+TIMING_KEYS = {"samples_per_sec", "tokens_per_sec"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train_args(case: str, out: Path, corpus: Path) -> list[str]:
+    model, config, extra = CASES[case]
+    return [*extra, "--model", model, "--deepspeed_config", str(REPO / "ds_configs" / config), "--train-data", str(corpus),
+            "--seq-len", "64", "--micro-batch-size", "4", "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS),
+            "--log-steps", "1", "--output-dir", str(out), "--hc", "wordnet", "--sr", "word", "--lr", "2e-3"]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, launch_env, small_corpus):
+    """Each case trained once by 2 ranks without interruption (lazily, shared by the tests)."""
+    cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def get(case: str):
+        if case not in cache:
+            out = tmp_path_factory.mktemp(f"ref-{case}")
+            proc = run(deepspeed_cmd(*train_args(case, out, small_corpus), port=free_port()), launch_env)
+            cache[case] = (out, proc)
+        return cache[case]
+
+    return get
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+

@@ -3,55 +3,25 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, deepspeed_cmd, kill_group, read_metrics, run, start, wait_for
-
-CASES = {
-    "bert-zero2": ("bert-tiny", "cpu_zero2.json"),
-    "electra-zero2": ("electra-tiny", "cpu_zero2.json"),
-    "bert-zero3": ("bert-tiny", "cpu_zero3.json"),
-    "electra-zero3": ("electra-tiny", "cpu_zero3.json"),
-}
-MAX_STEPS, SAVE_STEPS = 24, 8
-TIMING_KEYS = {"samples_per_sec", "tokens_per_sec"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def train_args(case: str, out: Path, corpus: Path) -> list[str]:
-    model, config = CASES[case]
-    return ["--model", model, "--deepspeed_config", str(REPO / "ds_configs" / config), "--train-data", str(corpus),
-            "--seq-len", "64", "--micro-batch-size", "4", "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS),
-            "--log-steps", "1", "--output-dir", str(out), "--hc", "wordnet", "--sr", "word", "--lr", "2e-3"]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, launch_env, small_corpus):
-    """Each case trained once without interruption (lazily, shared by the tests of this module)."""
-    cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
-
-    def get(case: str):
-        if case not in cache:
-            out = tmp_path_factory.mktemp(f"ref-{case}")
-            proc = run(deepspeed_cmd(*train_args(case, out, small_corpus), port=free_port()), launch_env)
-            cache[case] = (out, proc)
-        return cache[case]
-
-    return get
-
-
-def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+from conftest import (
+    MAX_STEPS,
+    REPO,
+    comparable,
+    deepspeed_cmd,
+    free_port,
+    kill_group,
+    read_metrics,
+    run,
+    start,
+    train_args,
+    wait_for,
+)
 
 
 def test_two_rank_launch_trains_logs_and_checkpoints(runs):
@@ -79,7 +49,7 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs):
     assert "Train/Samples/hc_iter_ratio" in events.Tags()["scalars"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["bert-zero2", "electra-zero2", "bert-zero3", "electra-zero3"])
 def test_kill_9_then_resume_gives_bitwise_equal_losses(case, runs, tmp_path, launch_env, small_corpus):
     reference_dir, _ = runs(case)
     reference = comparable(read_metrics(reference_dir))

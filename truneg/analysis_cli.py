@@ -1,6 +1,73 @@
-"""Sub-commands of `truneg` for analysis and evaluation (filled in as those land)."""
+"""Sub-commands of `truneg` for analysis: fn-stats and fn-cases (the paper's Table 2, Figure 3, Table 1)."""
 from __future__ import annotations
+
+from pathlib import Path
+
+
+def _common(parser) -> None:
+    parser.add_argument("--data", nargs="+", required=True, help="text files, folders or globs to run the MLM over")
+    parser.add_argument("--synonyms", type=Path, help="synonym table (default: the shipped WordNet table)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0, help="masking and sampling seed")
+    parser.add_argument("--prediction", choices=["default", "argmax", "sample"], default="default",
+                        help="default: argmax for BERT, the generator's sample for ELECTRA (as in training)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-sequences", type=int, help="stop after this many sequences")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: bert-base-uncased)")
+
+
+def _prepare(args):
+    from truneg.data import DEFAULT_TOKENIZER, build_blocks, load_tokenizer, open_blocks
+    from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable
+
+    tokenizer = load_tokenizer(args.tokenizer or DEFAULT_TOKENIZER)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    table = SynonymTable.load(args.synonyms or SHIPPED_WORDNET_TABLE, expect_tokens=tokens)
+    blocks = open_blocks(build_blocks(args.data, tokenizer, args.seq_len))
+    return tokenizer, table, SynonymLookup(table), blocks
+
+
+def _fn_stats(args) -> None:
+    from truneg.analysis import discover_checkpoints, evaluate, format_table, load_mlm, write_stats
+
+    refs = discover_checkpoints(args.checkpoints)
+    tokenizer, _, lookup, blocks = _prepare(args)
+    results = []
+    for ref in refs:
+        counts, _ = evaluate(load_mlm(ref), blocks, tokenizer, lookup, args.prediction, args.seed, args.batch_size,
+                             args.max_sequences, label=ref.label, step=ref.step)
+        results.append(counts)
+        print(f"{ref.label}: {counts.corrected} false negatives", flush=True)
+    print(format_table(results))
+    for path in write_stats(results, args.out).values():
+        print(f"wrote {path}")
+
+
+def _fn_cases(args) -> None:
+    from truneg.analysis import discover_checkpoints, evaluate, load_mlm, write_cases
+
+    refs = discover_checkpoints([args.checkpoint])
+    if len(refs) != 1:
+        refs = refs[-1:]  # a checkpoints folder: its newest tag
+    tokenizer, table, lookup, blocks = _prepare(args)
+    counts, cases = evaluate(load_mlm(refs[0]), blocks, tokenizer, lookup, args.prediction, args.seed,
+                             args.batch_size, args.max_sequences, label=refs[0].label, step=refs[0].step,
+                             max_cases=args.n, table=table)
+    written = write_cases(cases, args.out)
+    print(f"{len(cases)} cases of {counts.corrected} false negatives in {counts.sequences} sequences")
+    for path in written.values():
+        print(f"wrote {path}")
 
 
 def add_commands(commands) -> None:
-    return None
+    stats = commands.add_parser("fn-stats", help="false-negative ratios per checkpoint (paper Table 2)")
+    stats.add_argument("--checkpoints", nargs="+", required=True,
+                       help="truneg checkpoints folders (every tag), tags, or exported HF MLM / generator folders")
+    _common(stats)
+    stats.set_defaults(func=_fn_stats)
+    cases = commands.add_parser("fn-cases", help="dump corrected examples (paper Figure 3 / Table 1)")
+    cases.add_argument("--checkpoint", required=True, help="a tag, a checkpoints folder (its newest tag) or an HF folder")
+    cases.add_argument("-n", type=int, default=20, help="number of cases")
+    _common(cases)
+    cases.set_defaults(func=_fn_cases)

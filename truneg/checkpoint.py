@@ -7,8 +7,12 @@ truneg, last, after every rank finished: a checkpoint killed half-way is never t
 """
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from truneg.errors import UserError
 
 UNIVERSAL_INFO = {"universal_checkpoint_version": 0.2}
+META_FILE = "truneg_meta.json"
 
 
 def tag_for_step(step: int) -> str:
@@ -51,6 +56,31 @@ def set_rng_state(state: dict) -> None:
         get_accelerator().set_rng_state(state["accelerator"])
 
 
+def universal_tag(tag: str) -> str:
+    return f"{tag}_universal"
+
+
+def saved_world_size(checkpoint_dir: Path, tag: str) -> int | None:
+    meta = checkpoint_dir / tag / META_FILE
+    return json.loads(meta.read_text(encoding="utf-8"))["world_size"] if meta.is_file() else None
+
+
+def convert_to_universal(checkpoint_dir: Path, tag: str) -> Path:
+    """DeepSpeed's ds_to_universal on one tag; reused if already done. Returns the universal folder."""
+    out = checkpoint_dir / universal_tag(tag)
+    if (out / "zero").is_dir() and (out / META_FILE).is_file():
+        return out
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+           "--input_folder", str(checkpoint_dir / tag), "--output_folder", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise UserError(f"cannot convert {checkpoint_dir / tag} to a universal checkpoint ({tail[0][:200]}); "
+                        "resume on the world size that wrote it")
+    shutil.copyfile(checkpoint_dir / tag / META_FILE, out / META_FILE)  # marks the conversion complete
+    return out
+
+
 def _rank_file(checkpoint_dir: Path, tag: str, rank: int) -> Path:
     return checkpoint_dir / tag / f"truneg_rank{rank:05d}.pt"
 
@@ -66,6 +96,8 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
     dist.barrier()
     if rank == 0:
+        meta = {"step": step, "world_size": dist.get_world_size()}
+        (checkpoint_dir / tag / META_FILE).write_text(json.dumps(meta) + "\n", encoding="utf-8")
         tmp = checkpoint_dir / "latest.tmp"
         tmp.write_text(tag, encoding="utf-8")
         os.replace(tmp, checkpoint_dir / "latest")  # atomic: `latest` names a complete checkpoint or the old one
@@ -73,14 +105,9 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state
     return tag
 
 
-def load(engine, checkpoint_dir: Path, tag: str | None = None, universal: bool = False) -> tuple[dict, dict | None]:
-    """Load `tag` (default: `latest`). Returns (client_state, this rank's state or None if the checkpoint
-    was written with another world size)."""
-    tag = tag or latest_tag(checkpoint_dir)
-    if tag is None:
-        raise UserError(f"no checkpoint to resume in {checkpoint_dir} (no `latest`); drop --resume or fix the path")
-    if not (checkpoint_dir / tag).is_dir():
-        raise UserError(f"checkpoint {checkpoint_dir / tag} does not exist; `latest` names a missing tag")
+def load(engine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
+    """Load `tag`. Returns (client_state, this rank's state, or None if the checkpoint was written by
+    another world size)."""
     try:
         path, client_state = engine.load_checkpoint(
             str(checkpoint_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True

@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--tokenizer", help="tokenizer folder to save beside the weights (default: bert-base-uncased)")
     exp.set_defaults(func=_export)
 
-    from truneg import analysis_cli
+    from truneg import analysis_cli, evaluation_cli
 
     analysis_cli.add_commands(commands)
+    evaluation_cli.add_commands(commands)
     return parser
 
 

@@ -27,6 +27,7 @@ from truneg.objectives import (
 from truneg.synonyms import SynonymLookup
 
 VOCAB_SIZE = 30522
+MAX_POSITIONS = 512
 
 BERT_PRESETS = {
     "bert-tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
@@ -69,8 +70,19 @@ def check_preset(preset: str) -> None:
         raise UserError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
-def _common_config(seq_len: int) -> dict:
-    return dict(vocab_size=VOCAB_SIZE, max_position_embeddings=max(512, seq_len), type_vocab_size=2)
+def _common_config() -> dict:
+    return {"vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_POSITIONS, "type_vocab_size": 2}
+
+
+def bert_masked_logits(mlm: BertForMaskedLM, input_ids, attention_mask, masked) -> torch.Tensor:
+    """MLM logits [M, V] at the masked positions only: the head runs on M rows, not B x L."""
+    hidden = mlm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return mlm.cls(hidden[masked])
+
+
+def generator_masked_logits(generator: ElectraForMaskedLM, input_ids, attention_mask, masked) -> torch.Tensor:
+    hidden = generator.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return generator.generator_lm_head(generator.generator_predictions(hidden[masked]))
 
 
 def _correct(gold, pred, lookup: SynonymLookup | None) -> torch.Tensor | None:
@@ -115,7 +127,7 @@ class BertPretrainer(nn.Module):
         return self.mlm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     def masked_logits(self, input_ids, attention_mask, masked) -> torch.Tensor:
-        return self.mlm.cls(self.encode(input_ids, attention_mask)[masked])
+        return bert_masked_logits(self.mlm, input_ids, attention_mask, masked)
 
     def forward(self, input_ids, attention_mask, labels, original_ids):
         masked = labels != -100
@@ -161,8 +173,7 @@ class ElectraPretrainer(nn.Module):
         return self.discriminator.electra.embeddings.word_embeddings
 
     def masked_logits(self, input_ids, attention_mask, masked) -> torch.Tensor:
-        hidden = self.generator.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.generator.generator_lm_head(self.generator.generator_predictions(hidden[masked]))
+        return generator_masked_logits(self.generator, input_ids, attention_mask, masked)
 
     def forward(self, input_ids, attention_mask, labels, original_ids):
         masked = labels != -100
@@ -202,11 +213,11 @@ class ElectraPretrainer(nn.Module):
 
 
 def build_pretrainer(
-    preset: str, objective: ObjectiveConfig, seq_len: int = 128, init_from: str | Path | None = None, dropout: float = 0.1
+    preset: str, objective: ObjectiveConfig, init_from: str | Path | None = None, dropout: float = 0.1
 ) -> BertPretrainer | ElectraPretrainer:
     """A fresh model of a preset, or one continued from an HF checkpoint (`--init-from`)."""
     check_preset(preset)
-    common = dict(_common_config(seq_len), hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    common = {**_common_config(), "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
     if not is_electra(preset):
         if init_from:
             return BertPretrainer(_from_pretrained(BertForMaskedLM, Path(init_from)), objective)

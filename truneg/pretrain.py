@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     import deepspeed
 
     from truneg.data import DEFAULT_TOKENIZER, DEMO_CORPUS
-    from truneg.models import PRESETS
+    from truneg.models import MAX_POSITIONS, PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="electra-tiny", help=f"preset: {', '.join(PRESETS)}")
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
-    parser.add_argument("--save-steps", type=int, default=100)
+    parser.add_argument("--save-steps", type=int, default=100, help="0: no checkpoints (benchmarks)")
     parser.add_argument("--log-steps", type=int, default=10)
     parser.add_argument("--output-dir", type=Path, default=Path(DEFAULT_OUTPUT_DIR))
     parser.add_argument("--seed", type=int, default=42)
@@ -59,12 +59,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="stop after this many non-finite losses in a row (fp32/bf16)")
     parser.add_argument("--cache-dir", type=Path, help="tokenized-corpus cache (default: $TRUNEG_CACHE or ~/.cache/truneg)")
     parser.add_argument("--num-proc", type=int, help="tokenizer processes")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed's engine.compile)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
-    for name in ("seq_len", "max_steps", "save_steps", "log_steps", "max_nonfinite_steps"):
+    for name in ("seq_len", "max_steps", "log_steps", "max_nonfinite_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.model not in PRESETS:
+        raise UserError(f"unknown model preset {args.model!r}; choose one of {', '.join(PRESETS)}")
+    if args.seq_len > MAX_POSITIONS:
+        raise UserError(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} or less")
     return args
 
 
@@ -80,16 +85,19 @@ def main(argv: list[str] | None = None) -> None:
     ds_config = trainer.deepspeed_config(args, world_size)
     trainer.claim_output_dir(args, ds_config, rank)
 
-    # 3. Data: tokenize and pack once per node (cached, memory-mapped), then a resumable sampler.
+    # 3. Where to resume from; a checkpoint of another world size goes through DeepSpeed's universal format.
+    resume = trainer.find_resume_point(args, ds_config, world_size)
+
+    # 4. Data: tokenize and pack once per node (cached, memory-mapped).
     tokenizer, blocks = trainer.load_blocks(args)
 
-    # 4. Model and objective (HC's synonym lookup, SR), on DeepSpeed.
+    # 5. Model and objective (HC's synonym lookup, SR), on DeepSpeed.
     engine = trainer.build_engine(args, ds_config, tokenizer)
 
-    # 5. Resume: weights, optimizer, scheduler, step, data position and RNG states.
-    state = trainer.TrainState.start(args, engine, blocks, tokenizer, rank, world_size)
+    # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states.
+    state = trainer.TrainState.start(args, engine, blocks, tokenizer, resume)
 
-    # 6. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.
+    # 7. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.
     trainer.train(args, engine, state)
 
 

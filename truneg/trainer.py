@@ -64,7 +64,9 @@ def deepspeed_config(args, world_size: int) -> dict:
 
 def run_identity(args, ds_config: dict) -> dict:
     """What makes two invocations the same run: everything but lengths, intervals and monitor paths."""
-    config = {k: copy.deepcopy(v) for k, v in ds_config.items() if k not in ("tensorboard", "csv_monitor", "wandb", "comet")}
+    per_world = ("tensorboard", "csv_monitor", "wandb", "comet", "train_micro_batch_size_per_gpu",
+                 "gradient_accumulation_steps", "checkpoint")
+    config = {k: copy.deepcopy(v) for k, v in ds_config.items() if k not in per_world}
     scheduler = config.get("scheduler", {}).get("params", {})
     scheduler.pop("total_num_steps", None)
     return {
@@ -111,8 +113,6 @@ def load_blocks(args):
     from truneg.data import build_blocks, load_tokenizer, open_blocks
 
     tokenizer = load_tokenizer(args.tokenizer)
-    if args.seq_len > 512:
-        raise UserError(f"--seq-len {args.seq_len} is beyond the model's 512 positions; use --seq-len 512 or less")
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         path = build_blocks(args.train_data, tokenizer, args.seq_len, args.cache_dir, args.num_proc)
     dist.barrier()
@@ -152,14 +152,48 @@ def build_engine(args, ds_config: dict, tokenizer):
     check_preset(args.model)
     objective = ObjectiveConfig(synonym_lookup(args, tokenizer), args.hc_prediction, args.sr, args.sr_weight)
     torch.manual_seed(args.seed)  # identical initial weights on every rank (ZeRO-3 partitions each rank's copy)
-    model = build_pretrainer(args.model, objective, args.seq_len, args.init_from, args.dropout)
+    model = build_pretrainer(args.model, objective, args.init_from, args.dropout)
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     except (AssertionError, ValueError) as err:
         raise UserError(f"DeepSpeed rejected the config: {str(err)[:300]}") from None
+    if args.compile:
+        engine.compile(compile_kwargs={"dynamic": True})  # the masked-only head has a varying row count
     if dist.get_rank() == 0:
         save_hf_configs(model, args.output_dir / "checkpoints")
     return engine
+
+
+@dataclass
+class ResumePoint:
+    checkpoint_dir: Path
+    tag: str
+    universal: bool  # written on another world size: loaded through DeepSpeed's universal checkpoint
+
+
+def find_resume_point(args, ds_config: dict, world_size: int) -> ResumePoint | None:
+    """Where --resume points; on a world size other than the checkpoint's, convert it to a universal
+    checkpoint (DeepSpeed's ds_to_universal, once, on rank 0) and switch the config to load it."""
+    if args.resume == "none":
+        return None
+    checkpoint_dir, tag = args.output_dir / "checkpoints", None
+    if args.resume != "auto":
+        checkpoint_dir, tag = _resume_target(Path(args.resume))
+    tag = tag or checkpoint.latest_tag(checkpoint_dir)
+    if tag is None and args.resume == "auto":
+        return None
+    if tag is None or not (checkpoint_dir / tag).is_dir():
+        raise UserError(f"checkpoint {checkpoint_dir / str(tag)} does not exist; pass --resume a checkpoints folder or a tag in it")
+    saved_world = checkpoint.saved_world_size(checkpoint_dir, tag)
+    if saved_world in (None, world_size):
+        return ResumePoint(checkpoint_dir, tag, universal=False)
+    if dist.get_rank() == 0:
+        checkpoint.convert_to_universal(checkpoint_dir, tag)
+    dist.barrier()
+    ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    if dist.get_rank() == 0:
+        print(f"truneg: {tag} was written by {saved_world} ranks; loading its universal form on {world_size}", flush=True)
+    return ResumePoint(checkpoint_dir, checkpoint.universal_tag(tag), universal=True)
 
 
 @dataclass
@@ -174,22 +208,17 @@ class TrainState:
     checkpoint_dir: Path
 
     @classmethod
-    def start(cls, args, engine, blocks, tokenizer, rank: int, world_size: int) -> TrainState:
+    def start(cls, args, engine, blocks, tokenizer, resume: ResumePoint | None) -> TrainState:
         from truneg.data import MaskedBatches, ResumableSampler
         from truneg.metrics import MetricsLogger
 
+        rank, world_size = dist.get_rank(), dist.get_world_size()
         micro = engine.train_micro_batch_size_per_gpu()
         sampler = ResumableSampler(len(blocks), micro, world_size, rank, args.seed)
         metrics = MetricsLogger(engine, args.output_dir, args.seq_len, rank)
-        checkpoint_dir = args.output_dir / "checkpoints"
-        resume_dir = None
-        if args.resume == "auto" and checkpoint.latest_tag(checkpoint_dir):
-            resume_dir, tag = checkpoint_dir, None
-        elif args.resume not in ("auto", "none"):
-            resume_dir, tag = _resume_target(Path(args.resume))
         torch.manual_seed(args.seed + rank)  # dropout and Gumbel noise differ across ranks
-        if resume_dir is not None:
-            client_state, rank_state = checkpoint.load(engine, resume_dir, tag)
+        if resume is not None:
+            client_state, rank_state = checkpoint.load(engine, resume.checkpoint_dir, resume.tag)
             sampler.load_state_dict(client_state["sampler"])
             step = engine.global_steps
             if rank_state is None:
@@ -199,13 +228,13 @@ class TrainState:
             else:
                 checkpoint.set_rng_state(rank_state["rng"])
                 metrics.load_state_dict(rank_state["metrics"])
-            metrics.truncate_after(step)
-            metrics.purge_tensorboard_after(int(engine.global_samples))
             if rank == 0:
-                print(f"truneg: resumed from {resume_dir} at step {step}", flush=True)
-        model = engine.module
-        batches = MaskedBatches(blocks, sampler, tokenizer, model.scheme, args.seed)
-        return cls(sampler, batches, metrics, rank, world_size, checkpoint_dir)
+                print(f"truneg: resumed from {resume.checkpoint_dir} at step {step}", flush=True)
+        # Records a killed run wrote after its last checkpoint (or before its first) are not history.
+        metrics.truncate_after(engine.global_steps)
+        metrics.purge_tensorboard_after(int(engine.global_samples))
+        batches = MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, args.seed)
+        return cls(sampler, batches, metrics, rank, world_size, args.output_dir / "checkpoints")
 
     def save(self, engine, step: int) -> None:
         client_state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.world_size}
@@ -279,10 +308,11 @@ def train(args, engine, state: TrainState) -> None:
             if state.rank == 0 and record:
                 print(f"step {step}: loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
                       f"{record['samples_per_sec']:.1f} samples/s", flush=True)
-        if step % args.save_steps == 0 or step == args.max_steps:
+        saving = args.save_steps > 0 and (step % args.save_steps == 0 or step == args.max_steps)
+        if saving:
             state.save(engine, step)
         if stop.any_rank(device):
-            if step % args.save_steps != 0 and step != args.max_steps:
+            if not saving:
                 state.save(engine, step)
             if state.rank == 0:
                 print(f"truneg: stopped by signal at step {step}; checkpoint saved in {state.checkpoint_dir}. "

@@ -1,0 +1,93 @@
+"""Step-time overhead of HC and SR: the same model, batch and seed in one process, variants interleaved.
+
+    python bench/hc_sr_overhead.py [--presets electra-small,bert-base] [--batch 8] [--steps 6]
+
+A step is forward + backward + AdamW step at seq 128, like a training step. Each variant reuses the
+weights of the first (deep-copied) and the same masked batch; the variants run round-robin so drift
+of the machine hits all of them alike. Prints a table per preset and a last line
+`RESULT hc=<ratio> sr=<ratio> hc_sr=<ratio> sr_sent=<ratio>` (the bert-base ratios when it ran,
+step time over the baseline's; median of the steps).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from truneg.data import load_tokenizer, mask_tokens  # noqa: E402
+from truneg.models import ObjectiveConfig, build_pretrainer  # noqa: E402
+from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  # noqa: E402
+
+VARIANTS = {
+    "baseline": dict(hc=False, sr="none"),
+    "hc": dict(hc=True, sr="none"),
+    "sr": dict(hc=False, sr="word"),
+    "hc_sr": dict(hc=True, sr="word"),
+    "sr_sent": dict(hc=False, sr="sent"),
+}
+
+
+def real_batch(tokenizer, batch: int, seq_len: int, scheme: str) -> dict[str, torch.Tensor]:
+    text = (Path(__file__).resolve().parent.parent / "truneg/assets/corpus/austen_pride_and_prejudice.txt").read_text()
+    ids = tokenizer(text[:200_000], add_special_tokens=False, verbose=False)["input_ids"]
+    body = seq_len - 2
+    rows = np.array([[tokenizer.cls_token_id] + ids[i * body:(i + 1) * body] + [tokenizer.sep_token_id] for i in range(batch)])
+    inputs, labels = mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme, 0, 0,
+                                 np.arange(batch))
+    return {"input_ids": inputs, "attention_mask": torch.ones_like(inputs), "labels": labels,
+            "original_ids": torch.from_numpy(rows).long()}
+
+
+def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup) -> dict[str, float]:
+    torch.manual_seed(0)
+    base = build_pretrainer(preset, ObjectiveConfig())
+    batch = real_batch(load_tokenizer(), batch_size, 128, base.scheme)
+    models, optimizers = {}, {}
+    for name, variant in VARIANTS.items():
+        model = copy.deepcopy(base)
+        model.objective = ObjectiveConfig(hc_lookup=lookup if variant["hc"] else None, sr=variant["sr"])
+        model.hc_lookup = model.objective.hc_lookup
+        models[name], optimizers[name] = model.train(), torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for step in range(steps + 1):  # step 0 warms up
+        order = list(VARIANTS)
+        for name in order[step % len(order):] + order[: step % len(order)]:  # rotate who runs first
+            torch.manual_seed(step)
+            start = time.perf_counter()
+            loss, _ = models[name](**batch)
+            loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+            if step:
+                times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    print(f"\n{preset}, batch {batch_size}, seq 128, {torch.get_num_threads()} threads, median of {steps} steps")
+    print(f"{'variant':<10} {'step ms':>9} {'ratio':>7}")
+    for name, seconds in medians.items():
+        print(f"{name:<10} {1e3 * seconds:>9.1f} {seconds / medians['baseline']:>7.3f}")
+    return {name: seconds / medians["baseline"] for name, seconds in medians.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="electra-small,bert-base")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    lookup = SynonymLookup(SynonymTable.load(SHIPPED_WORDNET_TABLE))
+    ratios = {}
+    for preset in args.presets.split(","):
+        ratios = bench_preset(preset, args.batch, args.steps, lookup)
+    print(f"RESULT hc={ratios['hc']:.3f} sr={ratios['sr']:.3f} hc_sr={ratios['hc_sr']:.3f} sr_sent={ratios['sr_sent']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Faults: bad input, non-finite losses, preemption, repeated kill -9, another world size, two nodes."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import (
+    MAX_STEPS,
+    REPO,
+    comparable,
+    deepspeed_cmd,
+    free_port,
+    kill_group,
+    read_metrics,
+    run,
+    start,
+    train_args,
+    wait_for,
+)
+
+
+def pretrain_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "truneg.pretrain", *args]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("truneg: error: ") and expected in last, last
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus):
+    from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymTable
+
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "broken.json").write_text('{"train_micro_batch_size_per_gpu": 4,,}')
+    config = json.loads((REPO / "ds_configs" / "cpu_zero2.json").read_text())
+    (tmp_path / "batch.json").write_text(json.dumps({**config, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}))
+    (tmp_path / "fp16.json").write_text(json.dumps({**config, "fp16": {"enabled": True}}))
+    SynonymTable.from_pairs([(1, 2)], ["[PAD]", "big", "large"], "tsv", {}).save(tmp_path / "other_vocab.npz")
+    (tmp_path / "truncated.npz").write_bytes(SHIPPED_WORDNET_TABLE.read_bytes()[:5000])
+    other_run = tmp_path / "other_run"
+    (other_run / "checkpoints" / "global_step5").mkdir(parents=True)
+    (other_run / "checkpoints" / "latest").write_text("global_step5")
+    (other_run / "checkpoints" / "global_step5" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    (other_run / "run.json").write_text('{"model": "bert-large"}')
+    before = snapshot(other_run)
+    broken_ckpt = tmp_path / "broken_ckpt"
+    (broken_ckpt / "global_step1").mkdir(parents=True)
+    (broken_ckpt / "latest").write_text("global_step1")
+    (broken_ckpt / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"\x00garbage")
+
+    base = ["--model", "bert-tiny", "--train-data", str(small_corpus), "--seq-len", "64", "--max-steps", "2"]
+    cases = {
+        "missing corpus": (["--train-data", str(tmp_path / "nope")], "no text files found"),
+        "empty corpus": (["--train-data", str(tmp_path / "empty.txt")], "is empty"),
+        "unknown preset": (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+        "seq-len too long": (["--seq-len", "1024"], "beyond the model's 512 positions"),
+        "malformed config": (["--deepspeed_config", str(tmp_path / "broken.json")], "is not valid JSON (line 1"),
+        "batch sizes": (["--deepspeed_config", str(tmp_path / "batch.json")], "train_batch_size 10 != micro batch 4"),
+        "fp16 on cpu": (["--deepspeed_config", str(tmp_path / "fp16.json")], "fp16"),
+        "table for another vocab": (["--hc", str(tmp_path / "other_vocab.npz")], "built for vocab sha256"),
+        "truncated table": (["--hc", str(tmp_path / "truncated.npz")], "corrupt or truncated"),
+        "another run's folder": (["--output-dir", str(other_run)], "holds another run's checkpoints"),
+        "unreadable checkpoint": (["--resume", str(broken_ckpt)], "cannot read checkpoint"),
+    }
+    procs = {}
+    for name, (extra, _) in cases.items():
+        args = base + extra
+        out = ["--output-dir", str(tmp_path / f"out_{name.replace(' ', '_')}")] if "--output-dir" not in extra else []
+        procs[name] = subprocess.Popen(pretrain_cmd(*args, *out), env=launch_env, cwd=REPO, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), cases[name][1])
+    assert snapshot(other_run) == before, "a refused run must not touch the folder"
+
+
+def test_hostfile_errors_stop_the_launch_scripts(tmp_path, launch_env):
+    bad = tmp_path / "hosts"
+    bad.write_text("node-1 slots=8\nnode-2 slots=eight\n")
+    proc = subprocess.run(["bash", str(REPO / "launch" / "bert_large.sh")], env={**launch_env, "HOSTFILE": str(bad),
+                          "DATA": "/nowhere", "PYTHON": sys.executable}, capture_output=True, text=True)
+    assert_one_line_error(proc, f"{bad}:2: 'node-2 slots=eight' is not `HOST slots=N`")
+    for text, expected in [("a slots=0\n", "slots=0"), ("a slots=2\na slots=2\n", "listed twice"), ("# only\n", "lists no node")]:
+        bad.write_text(text)
+        assert_one_line_error(subprocess.run([sys.executable, "-m", "truneg.hostfile", str(bad)], capture_output=True,
+                                             text=True), expected)
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path, launch_env, small_corpus):
+    out = tmp_path / "nan"
+    proc = subprocess.run(pretrain_cmd("--model", "bert-tiny", "--train-data", str(small_corpus), "--seq-len", "64",
+                                       "--micro-batch-size", "2", "--max-steps", "20", "--save-steps", "1",
+                                       "--log-steps", "1", "--lr", "1e30", "--max-nonfinite-steps", "3",
+                                       "--output-dir", str(out)),
+                          env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc, "3 non-finite losses in a row")
+    latest = (out / "checkpoints" / "latest").read_text()
+    assert f"last good checkpoint ({latest})" in proc.stderr
+    good_step = int(latest.replace("global_step", ""))
+    assert good_step >= 1 and (out / "checkpoints" / latest / "mp_rank_00_model_states.pt").is_file()
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, good_step + 1))
+    assert all(r["nonfinite_steps"] == 0 for r in records)  # the skipped micro-batches came after the last log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_saves_at_the_next_step_and_resumes_exactly(sig, runs, tmp_path, launch_env, small_corpus):
+    reference_dir, _ = runs("bert-zero2")
+    out = tmp_path / "preempted"
+    args = train_args("bert-zero2", out, small_corpus)
+    proc = start(deepspeed_cmd(*args, port=free_port()), launch_env)
+    try:
+        assert wait_for(lambda: len(read_metrics(out)) >= 3 or proc.poll() is not None, timeout=240)
+        kill_group(proc, sig)  # what a scheduler does: the whole process group at once
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc, signal.SIGKILL)
+    assert "stopped by signal at step" in output, output[-3000:]
+    stopped_at = int(output.split("stopped by signal at step ")[1].split(";")[0])
+    assert stopped_at < MAX_STEPS
+    assert (out / "checkpoints" / "latest").read_text() == f"global_step{stopped_at}"
+    second = run(deepspeed_cmd(*args, port=free_port()), launch_env)
+    assert f"at step {stopped_at}" in second.stdout
+    assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir))
+
+
+def test_repeated_kill_9_including_during_checkpoint_writes(runs, tmp_path, launch_env, small_corpus):
+    reference_dir, _ = runs("bert-zero2")
+    out = tmp_path / "chaos"
+    args = train_args("bert-zero2", out, small_corpus)
+    checkpoints = out / "checkpoints"
+    rng = random.Random(1234)
+    kills = []
+    for trial in range(6):
+        known = {p.name for p in checkpoints.glob("global_step*")} if checkpoints.is_dir() else set()
+        proc = start(deepspeed_cmd(*args, port=free_port()), launch_env)
+        try:
+            if trial % 2 == 0:  # during a checkpoint write: as soon as a new tag folder appears
+                hit = wait_for(lambda known=known, proc=proc: proc.poll() is not None or
+                               bool({p.name for p in checkpoints.glob("global_step*")} - known), timeout=240, interval=0.002)
+            else:  # at a random moment of training
+                hit = wait_for(lambda proc=proc: proc.poll() is not None or len(read_metrics(out)) >= 1, timeout=240)
+                wait_for(lambda proc=proc: proc.poll() is not None, timeout=rng.uniform(0.2, 2.0))
+            kill_group(proc, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            kill_group(proc, signal.SIGKILL)
+        assert hit
+        latest = checkpoints / "latest"
+        tag = latest.read_text() if latest.is_file() else None
+        kills.append((trial, proc.returncode, tag))
+        if tag:  # `latest` only ever names a complete checkpoint
+            assert (checkpoints / tag / "truneg_meta.json").is_file(), kills
+    assert sum(code != 0 for _, code, _ in kills) >= 5, kills
+    run(deepspeed_cmd(*args, port=free_port()), launch_env)
+    assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir)), kills
+
+
+def close_losses(records: list[dict], reference: list[dict], start_step: int) -> None:
+    by_step = {r["step"]: r for r in reference}
+    for record in records:
+        if record["step"] > start_step:
+            ref = by_step[record["step"]]
+            assert record["samples"] == ref["samples"] and record["lr"] == pytest.approx(ref["lr"], rel=1e-9)
+            assert record["loss"] == pytest.approx(ref["loss"], rel=1e-4), record["step"]
+
+
+def test_resume_on_another_world_size_two_to_one_and_back(runs, tmp_path, launch_env, small_corpus):
+    reference_dir, _ = runs("bert-deterministic")
+    reference = read_metrics(reference_dir)
+    out = tmp_path / "resized"
+    shutil.copytree(reference_dir, out)
+    (out / "metrics.jsonl").unlink()
+    (out / "checkpoints" / "latest").write_text("global_step8")
+    for tag in ("global_step16", "global_step24"):
+        shutil.rmtree(out / "checkpoints" / tag)
+    args = train_args("bert-deterministic", out, small_corpus)
+    # 1 rank: the same global batch of 8 through 2 accumulation steps
+    one = run(deepspeed_cmd(*args, "--gradient-accumulation-steps", "2", num_gpus=1, port=free_port()), launch_env)
+    assert "written by 2 ranks; loading its universal form on 1" in one.stdout
+    close_losses(read_metrics(out), reference, 8)
+    assert [r["step"] for r in read_metrics(out)] == list(range(9, MAX_STEPS + 1))
+    # ... and back to 2 ranks from the 1-rank checkpoint of step 16
+    (out / "checkpoints" / "latest").write_text("global_step16")
+    two = run(deepspeed_cmd(*args, port=free_port()), launch_env)
+    assert "written by 1 ranks; loading its universal form on 2" in two.stdout
+    close_losses(read_metrics(out), reference, 16)
+
+
+def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launch_env, small_corpus):
+    reference_dir, _ = runs("bert-zero2")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    out = tmp_path / "two_nodes"
+    args = train_args("bert-zero2", out, small_corpus)
+
+    def launch_nodes(port: int):
+        return [start([str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
+                       f"--node_rank={node}", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                       str(REPO / "truneg" / "pretrain.py"), *args], launch_env) for node in (0, 1)]
+
+    nodes = launch_nodes(free_port())
+    try:
+        assert wait_for(lambda: (out / "checkpoints" / "latest").is_file() or any(p.poll() is not None for p in nodes), 240)
+    finally:
+        for proc in nodes:
+            kill_group(proc, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert len(read_metrics(out)) < MAX_STEPS
+    nodes = launch_nodes(free_port())
+    outputs = [proc.communicate(timeout=300)[0] for proc in nodes]
+    assert [proc.returncode for proc in nodes] == [0, 0], outputs[0][-3000:]
+    assert "resumed from" in outputs[0]
+    assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir))
