@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO
+
 from truneg import models
 from truneg.analysis import FnCounts, count_false_negatives, evaluate
 from truneg.data import load_tokenizer

@@ -154,7 +154,11 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
              seed: int = 42, warmup_ratio: float = 0.1, weight_decay: float = 0.01, layerwise_decay: float = 0.8,
              deepspeed_config: str | None = None) -> dict:
     """Fine-tune and evaluate on the dev set(s); writes and returns results.json's content."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        get_linear_schedule_with_warmup,
+    )
 
     if task_name not in TASKS:
         raise UserError(f"unknown GLUE task {task_name!r}; choose one of {', '.join(TASKS)}")
