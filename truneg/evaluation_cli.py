@@ -1,4 +1,4 @@
-"""Sub-commands of `truneg` for evaluation: `finetune glue` (and, as they land, SQuAD and robustness)."""
+"""Sub-commands of `truneg` for evaluation: `finetune glue` and `finetune squad`."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,16 @@ def _finetune_glue(args) -> None:
     results = finetune(args.task, args.model, args.data_dir, args.output_dir, epochs=args.epochs, lr=args.lr,
                        batch_size=args.batch_size, max_seq_len=args.max_seq_len, max_train_samples=args.max_train_samples,
                        seed=args.seed, layerwise_decay=args.layerwise_decay, deepspeed_config=args.deepspeed_config)
+    print(json.dumps(results, indent=2))
+
+
+def _finetune_squad(args) -> None:
+    from truneg.squad import finetune_squad
+
+    results = finetune_squad(args.model, args.train, args.dev, args.output_dir, epochs=args.epochs, lr=args.lr,
+                             batch_size=args.batch_size, max_seq_len=args.max_seq_len, doc_stride=args.doc_stride,
+                             max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
+                             seed=args.seed, layerwise_decay=args.layerwise_decay)
     print(json.dumps(results, indent=2))
 
 
@@ -30,3 +40,22 @@ def add_commands(commands) -> None:
     glue.add_argument("--layerwise-decay", type=float, default=0.8, help="ELECTRA's layer-wise lr decay; 1 turns it off")
     glue.add_argument("--deepspeed_config", help="run the loop through a DeepSpeed engine (GPUs)")
     glue.set_defaults(func=_finetune_glue)
+    squad = finetune.add_parser("squad", help="SQuAD v1.1: exact match and F1")
+    squad.add_argument("--model", required=True, help="an exported truneg folder or any HF BERT/ELECTRA folder")
+    squad.add_argument("--train", required=True, help="SQuAD v1.1 training JSON")
+    squad.add_argument("--dev", required=True, help="SQuAD v1.1 dev JSON")
+    squad.add_argument("--output-dir", required=True)
+    squad.add_argument("--epochs", type=int, default=2)
+    squad.add_argument("--lr", type=float, default=1e-4)
+    squad.add_argument("--batch-size", type=int, default=32)
+    squad.add_argument("--max-seq-len", type=int, default=384)
+    squad.add_argument("--doc-stride", type=int, default=128)
+    squad.add_argument("--max-train-samples", type=int)
+    squad.add_argument("--max-eval-samples", type=int)
+    squad.add_argument("--seed", type=int, default=42)
+    squad.add_argument("--layerwise-decay", type=float, default=0.8)
+    squad.set_defaults(func=_finetune_squad)
+
+    from truneg.ablation import add_command
+
+    add_command(commands)

@@ -181,7 +181,7 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
     total_steps = steps_per_epoch * epochs
     groups = layerwise_param_groups(model, lr, layerwise_decay, weight_decay)
     optimizer = torch.optim.AdamW(groups, lr=lr, eps=1e-6)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
+    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(warmup_ratio * total_steps), total_steps)
     engine, device = model, torch.device("cpu")
     if deepspeed_config:  # on GPUs: the same loop through a DeepSpeed engine
         import deepspeed

@@ -1,0 +1,33 @@
+"""The ablation runner: four real pre-trainings with one seed, exported and fine-tuned, and its table."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO, SHARED_DATA, free_port, need_shared, read_metrics
+
+
+def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, small_corpus):
+    glue = need_shared(SHARED_DATA / "glue")
+    out = tmp_path / "ablation"
+    proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--preset", "bert-tiny", "--tasks", "rte",
+                           "--steps", "6", "--train-data", str(small_corpus), "--seq-len", "64", "--micro-batch-size", "4",
+                           "--glue-dir", str(glue), "--max-train-samples", "64", "--epochs", "1", "--output-dir", str(out),
+                           "--master-port", str(free_port())],
+                          env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "ablation.json").read_text())
+    assert list(report["scores"]) == ["baseline", "HC", "SR", "HC+SR"]
+    assert all(0 <= s["rte"] <= 100 for s in report["scores"].values())
+    table = (out / "ablation.txt").read_text()
+    assert "Δ avg" in table and table.count("  Δ") == 3
+    runs = {v: read_metrics(out / v.replace("+", "_")) for v in report["scores"]}
+    assert all(len(r) == 6 for r in runs.values())
+    assert "sr_loss" not in runs["baseline"][0] and "sr_loss" in runs["SR"][0] and "sr_loss" in runs["HC+SR"][0]
+    # one seed, one data order: until HC corrects something, baseline and HC see and compute the same
+    if runs["HC"][0]["hc_corrected"] == 0:
+        assert runs["HC"][0]["mlm_loss"] == runs["baseline"][0]["mlm_loss"]
+    for variant in report["scores"]:
+        results = json.loads((out / variant.replace("+", "_") / "glue" / "rte" / "results.json").read_text())
+        assert results["train_samples"] == 64 and results["eval_samples"] == 277

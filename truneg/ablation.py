@@ -1,0 +1,112 @@
+"""The paper's ablation (Tables 3 and 6): baseline, HC, SR and HC+SR pre-trained alike, then fine-tuned.
+
+    truneg ablation --preset bert-tiny --tasks rte,mrpc --steps 300                 # CPU-sized
+    truneg ablation --preset electra-base --tasks rte,mrpc,sst2,cola --steps 766000 \\
+        --deepspeed_config ds_configs/electra_base_v100_fp16_zero2.json --num-gpus 8   # the paper's scale
+
+Each variant trains through the real `deepspeed` launcher with the same seed, data and steps, is exported
+with `truneg export`, and is fine-tuned on each task with the same hyper-parameters. Writes
+`<output-dir>/ablation.json` and prints the table: per task, the average, and the change against the baseline.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from truneg.errors import UserError
+
+VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
+MAIN_METRIC = {"cola": "matthews_correlation", "stsb": "spearmanr", "mrpc": "f1", "qqp": "f1"}
+
+
+def main_score(task: str, results: dict) -> float:
+    return 100 * results[MAIN_METRIC.get(task, "accuracy")]
+
+
+def pretrain(variant: str, args, out: Path) -> None:
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(deepspeed), "--num_gpus", str(args.num_gpus), "--master_port", str(args.master_port),
+           str(Path(__file__).with_name("pretrain.py")), "--model", args.preset, "--train-data", *args.train_data,
+           "--max-steps", str(args.steps), "--save-steps", str(args.steps), "--log-steps", str(max(1, args.steps // 10)),
+           "--seed", str(args.seed), "--seq-len", str(args.seq_len), "--output-dir", str(out), *VARIANTS[variant]]
+    if args.deepspeed_config:
+        cmd += ["--deepspeed_config", args.deepspeed_config]
+    if args.micro_batch_size:
+        cmd += ["--micro-batch-size", str(args.micro_batch_size)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+        raise UserError(f"pre-training {variant} failed (exit {proc.returncode}); its last lines:\n{tail}")
+
+
+def format_table(scores: dict[str, dict[str, float]], tasks: list[str]) -> str:
+    header = f"{'variant':<10}" + "".join(f"{t:>9}" for t in tasks) + f"{'avg':>9}{'Δ avg':>9}"
+    lines = [header, "-" * len(header)]
+    base_avg = sum(scores["baseline"].values()) / len(tasks)
+    for variant, by_task in scores.items():
+        avg = sum(by_task.values()) / len(tasks)
+        cells = "".join(f"{by_task[t]:>9.2f}" for t in tasks)
+        delta = "" if variant == "baseline" else f"{avg - base_avg:>+9.2f}"
+        lines.append(f"{variant:<10}{cells}{avg:>9.2f}{delta:>9}")
+        if variant != "baseline":
+            lines.append(f"{'  Δ':<10}" + "".join(f"{by_task[t] - scores['baseline'][t]:>+9.2f}" for t in tasks))
+    return "\n".join(lines)
+
+
+def run_ablation(args) -> dict:
+    from truneg.export import export
+    from truneg.glue import TASKS, finetune
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise UserError(f"unknown GLUE task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    glue_dir = Path(args.glue_dir)
+    for task in tasks:
+        if not (glue_dir / TASKS[task].folder / "train.tsv").is_file():
+            raise UserError(f"{glue_dir / TASKS[task].folder / 'train.tsv'} is missing; point --glue-dir at GLUE's folders")
+    out = Path(args.output_dir)
+    scores: dict[str, dict[str, float]] = {}
+    for variant in VARIANTS:
+        run_dir = out / variant.replace("+", "_")
+        if not (run_dir / "checkpoints" / "latest").is_file():
+            pretrain(variant, args, run_dir)
+        export(run_dir / "checkpoints", run_dir / "hf")
+        scores[variant] = {}
+        for task in tasks:
+            results = finetune(task, run_dir / "hf", glue_dir / TASKS[task].folder, run_dir / "glue" / task,
+                               epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                               max_train_samples=args.max_train_samples, seed=args.seed)
+            scores[variant][task] = main_score(task, results)
+        print(f"{variant}: " + ", ".join(f"{t} {s:.2f}" for t, s in scores[variant].items()), flush=True)
+    table = format_table(scores, tasks)
+    print(table)
+    report = {"preset": args.preset, "steps": args.steps, "seed": args.seed, "tasks": tasks, "scores": scores}
+    (out / "ablation.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "ablation.txt").write_text(table + "\n", encoding="utf-8")
+    return report
+
+
+def add_command(commands) -> None:
+    parser = commands.add_parser("ablation", help="baseline / HC / SR / HC+SR pre-training, then GLUE (paper Tables 3, 6)")
+    parser.add_argument("--preset", default="bert-tiny")
+    parser.add_argument("--tasks", default="rte,mrpc")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--train-data", nargs="+", default=[str(Path(__file__).parent / "assets" / "corpus")])
+    parser.add_argument("--glue-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"))
+    parser.add_argument("--output-dir", default="runs/ablation")
+    parser.add_argument("--num-gpus", type=int, default=2, help="ranks per node (CPU ranks on a machine without GPUs)")
+    parser.add_argument("--master-port", type=int, default=29511)
+    parser.add_argument("--deepspeed_config")
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--epochs", type=int, help="fine-tuning epochs (default: ELECTRA's per task)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="fine-tuning learning rate")
+    parser.add_argument("--batch-size", type=int, default=32, help="fine-tuning batch size")
+    parser.add_argument("--max-train-samples", type=int, help="fine-tune on the first N training examples")
+    parser.set_defaults(func=run_ablation)

@@ -1,0 +1,176 @@
+"""SQuAD v1.1 fine-tuning and evaluation (exact match and F1 with the official answer normalisation).
+
+    truneg finetune squad --model runs/demo/hf --train train-v1.1.json --dev dev-v1.1.json --output-dir runs/squad
+
+Features are built as in HF's run_qa: question + context windows of --max-seq-len with --doc-stride
+overlap; answers map to token start/end through the offset mapping. Prediction takes the best
+start + end logit over the n-best spans of each window, at most 30 tokens long.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import re
+import string
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from truneg.errors import UserError
+
+# --- the official SQuAD v1.1 evaluation -------------------------------------------------------------
+
+def normalize_answer(text: str) -> str:
+    """Lower case, and remove punctuation, articles and extra whitespace (the official evaluate-v1.1.py)."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def f1_score(prediction: str, ground_truth: str) -> float:
+    pred_tokens, gold_tokens = normalize_answer(prediction).split(), normalize_answer(ground_truth).split()
+    common = collections.Counter(pred_tokens) & collections.Counter(gold_tokens)
+    overlap = sum(common.values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(pred_tokens), overlap / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_match(prediction: str, ground_truth: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(ground_truth))
+
+
+def evaluate_predictions(examples: list[dict], predictions: dict[str, str]) -> dict[str, float]:
+    """EM and F1 in percent, each the max over the gold answers, averaged over the questions."""
+    em = f1 = 0.0
+    for example in examples:
+        prediction = predictions.get(example["id"], "")
+        golds = example["answers"] or [""]
+        em += max(exact_match(prediction, g) for g in golds)
+        f1 += max(f1_score(prediction, g) for g in golds)
+    return {"exact_match": 100 * em / len(examples), "f1": 100 * f1 / len(examples)}
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+def read_squad(path: str | Path) -> list[dict]:
+    """Flat examples {id, question, context, answers (texts), answer_starts} of a SQuAD v1.1 JSON file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; pass a SQuAD v1.1 JSON file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))["data"]
+        return [{"id": qa["id"], "question": qa["question"], "context": paragraph["context"],
+                 "answers": [a["text"] for a in qa["answers"]], "answer_starts": [a["answer_start"] for a in qa["answers"]]}
+                for article in data for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not SQuAD v1.1 JSON ({type(err).__name__}: {err})") from None
+
+
+def features(tokenizer, examples: list[dict], max_len: int, stride: int, train: bool) -> dict:
+    enc = tokenizer([e["question"].lstrip() for e in examples], [e["context"] for e in examples],
+                    truncation="only_second", max_length=max_len, stride=stride, return_overflowing_tokens=True,
+                    return_offsets_mapping=True, padding="max_length")
+    sample_map = enc.pop("overflow_to_sample_mapping")
+    starts, ends = [], []
+    for i, offsets in enumerate(enc["offset_mapping"]):
+        sequence_ids = enc.sequence_ids(i)
+        example = examples[sample_map[i]]
+        # offsets outside the context are None'd so that prediction never picks the question
+        enc["offset_mapping"][i] = [o if sequence_ids[k] == 1 else None for k, o in enumerate(offsets)]
+        if not train:
+            continue
+        start_char = example["answer_starts"][0]
+        end_char = start_char + len(example["answers"][0])
+        context = [k for k, s in enumerate(sequence_ids) if s == 1]
+        first, last = context[0], context[-1]
+        if offsets[first][0] > start_char or offsets[last][1] < end_char:
+            starts.append(0)  # the answer is not in this window: point at [CLS]
+            ends.append(0)
+            continue
+        start = first
+        while start <= last and offsets[start][0] <= start_char:
+            start += 1
+        end = last
+        while end >= first and offsets[end][1] >= end_char:
+            end -= 1
+        starts.append(start - 1)
+        ends.append(end + 1)
+    out = {"input_ids": torch.tensor(enc["input_ids"]), "attention_mask": torch.tensor(enc["attention_mask"]),
+           "offsets": enc["offset_mapping"], "example_index": sample_map}
+    if "token_type_ids" in enc:
+        out["token_type_ids"] = torch.tensor(enc["token_type_ids"])
+    if train:
+        out["start_positions"], out["end_positions"] = torch.tensor(starts), torch.tensor(ends)
+    return out
+
+
+def best_answers(examples, feats, start_logits, end_logits, n_best: int = 20, max_answer_tokens: int = 30) -> dict:
+    best: dict[str, tuple[float, str]] = {}
+    for i, example_index in enumerate(feats["example_index"]):
+        example, offsets = examples[example_index], feats["offsets"][i]
+        for s in np.argsort(start_logits[i])[-n_best:]:
+            for e in np.argsort(end_logits[i])[-n_best:]:
+                if offsets[s] is None or offsets[e] is None or e < s or e - s + 1 > max_answer_tokens:
+                    continue
+                score = float(start_logits[i][s] + end_logits[i][e])
+                if example["id"] not in best or score > best[example["id"]][0]:
+                    best[example["id"]] = (score, example["context"][offsets[s][0]: offsets[e][1]])
+    return {qid: text for qid, (_, text) in best.items()}
+
+
+# --- fine-tuning ----------------------------------------------------------------------------------
+
+def finetune_squad(model_dir, train_file, dev_file, output_dir, epochs: int = 2, lr: float = 1e-4, batch_size: int = 32,
+                   max_seq_len: int = 384, doc_stride: int = 128, max_train_samples: int | None = None,
+                   max_eval_samples: int | None = None, seed: int = 42, layerwise_decay: float = 0.8) -> dict:
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer, get_linear_schedule_with_warmup
+
+    from truneg.glue import layerwise_param_groups, resolve_model_dir, seed_everything
+
+    model_dir = resolve_model_dir(model_dir)
+    train_examples = [e for e in read_squad(train_file) if e["answers"]][:max_train_samples]
+    dev_examples = read_squad(dev_file)[:max_eval_samples]
+    seed_everything(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(f"{model_dir}'s tokenizer is not a fast tokenizer; SQuAD needs offset mappings")
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    train = features(tokenizer, train_examples, max_seq_len, doc_stride, train=True)
+    tensors = {k: v for k, v in train.items() if isinstance(v, torch.Tensor)}
+    n = len(tensors["input_ids"])
+    total = math.ceil(n / batch_size) * epochs
+    optimizer = torch.optim.AdamW(layerwise_param_groups(model, lr, layerwise_decay, 0.01), lr=lr, eps=1e-6)
+    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(0.1 * total), max(total, 1))
+    order = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(epochs):
+        index = torch.randperm(n, generator=order)
+        for start in range(0, n, batch_size):
+            batch = {k: v[index[start: start + batch_size]] for k, v in tensors.items()}
+            model(**batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    dev = features(tokenizer, dev_examples, max_seq_len, doc_stride, train=False)
+    inputs = {k: v for k, v in dev.items() if isinstance(v, torch.Tensor)}
+    starts, ends = [], []
+    with torch.no_grad():
+        for start in range(0, len(inputs["input_ids"]), 64):
+            out = model(**{k: v[start: start + 64] for k, v in inputs.items()})
+            starts.append(out.start_logits.numpy())
+            ends.append(out.end_logits.numpy())
+    predictions = best_answers(dev_examples, dev, np.concatenate(starts), np.concatenate(ends))
+    results = {"model": str(model_dir), **evaluate_predictions(dev_examples, predictions),
+               "train_samples": len(train_examples), "eval_samples": len(dev_examples), "epochs": epochs, "lr": lr, "seed": seed}
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (output_dir / "predictions.json").write_text(json.dumps(predictions, indent=1) + "\n", encoding="utf-8")
+    return results
