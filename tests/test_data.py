@@ -114,3 +114,14 @@ def test_masked_batches_keep_originals(tokenizer):
     assert set(batch) == {"input_ids", "attention_mask", "labels", "original_ids"}
     selected = batch["labels"] != -100
     assert (batch["original_ids"][selected] == batch["labels"][selected]).all()
+
+
+def test_hf_dataset_with_a_named_text_column(tmp_path, tokenizer):
+    folder = tmp_path / "hf_dataset"
+    folder.mkdir()
+    (folder / "train.csv").write_text("id,content\n1,the primary school was closed\n2,another row of text here\n")
+    path = build_blocks(f"hf:{folder}#content", tokenizer, seq_len=6, cache_dir=tmp_path / "cache", num_proc=1)
+    expected = tokenizer("the primary school was closed")["input_ids"][1:-1]
+    assert open_blocks(path)[0, 1:-1].tolist() == expected[:4]
+    with pytest.raises(UserError, match="has no column 'text'"):
+        build_blocks(f"hf:{folder}", tokenizer, 6, tmp_path / "cache", 1)

@@ -156,3 +156,17 @@ def test_hc_ratios_are_live_on_real_novels(tmp_path, launch_env):
     assert corrected > 0 and all(0 <= r["hc_iter_ratio"] <= 1 and 0 <= r["hc_pred_ratio"] <= 1 for r in records)
     assert any(r["hc_iter_ratio"] > 0 for r in records) and any(r["hc_pred_ratio"] > 0 for r in records)
     assert all(r["sr_loss"] > 0 for r in records)
+
+
+def test_continued_pretraining_from_an_exported_checkpoint(runs, tmp_path, launch_env, small_corpus):
+    from truneg.export import export
+
+    out, _ = runs("bert-zero2")
+    exported = tmp_path / "hf"
+    export(out / "checkpoints", exported)
+    continued = tmp_path / "continued"
+    run(deepspeed_cmd(*train_args("bert-zero2", continued, small_corpus), "--max-steps", "2", "--init-from", str(exported),
+                      num_gpus=1, port=free_port()), launch_env)
+    fresh_first, trained_last = read_metrics(out)[0]["mlm_loss"], read_metrics(out)[-1]["mlm_loss"]
+    first = read_metrics(continued)[0]["mlm_loss"]
+    assert first < fresh_first - 1.0 and abs(first - trained_last) < 1.0, (fresh_first, trained_last, first)

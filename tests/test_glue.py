@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -63,8 +64,15 @@ def test_finetune_agrees_with_hf_trainer(tmp_path):
         set_seed,
     )
 
+    # Dropout off in the model both sides load: its masks come from each loop's own RNG stream, and on 872
+    # dev examples that noise alone moves accuracy by about a point. Everything else is the same recipe.
+    model_dir = tmp_path / "minilm"
+    shutil.copytree(MINILM, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (model_dir / "config.json").write_text(json.dumps(config))
     hyper = {"lr": 5e-5, "batch_size": 16, "epochs": 2, "seed": 7, "n": 256}
-    ours = finetune("sst2", MINILM, glue / "SST-2", tmp_path / "ours", epochs=hyper["epochs"], lr=hyper["lr"],
+    ours = finetune("sst2", model_dir, glue / "SST-2", tmp_path / "ours", epochs=hyper["epochs"], lr=hyper["lr"],
                     batch_size=hyper["batch_size"], max_train_samples=hyper["n"], seed=hyper["seed"], layerwise_decay=1.0)
     assert json.loads((tmp_path / "ours" / "results.json").read_text())["accuracy"] == ours["accuracy"]
 
@@ -73,7 +81,7 @@ def test_finetune_agrees_with_hf_trainer(tmp_path):
     task = TASKS["sst2"]
     rows = read_tsv(glue / "SST-2" / "train.tsv", task)[: hyper["n"]]
     dev = read_tsv(glue / "SST-2" / "dev.tsv", task)
-    tokenizer = AutoTokenizer.from_pretrained(MINILM)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     generator = torch.Generator().manual_seed(hyper["seed"])
     ordered = [rows[i] for _ in range(hyper["epochs"]) for i in torch.randperm(len(rows), generator=generator).tolist()]
 
@@ -83,7 +91,7 @@ def test_finetune_agrees_with_hf_trainer(tmp_path):
                  "token_type_ids": enc["token_type_ids"][i], "labels": examples[i][2]} for i in range(len(examples))]
 
     set_seed(hyper["seed"])
-    model = AutoModelForSequenceClassification.from_pretrained(MINILM, num_labels=2)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
     args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=hyper["batch_size"],
                              learning_rate=hyper["lr"], num_train_epochs=1, warmup_steps=0.1, weight_decay=0.01,
                              adam_epsilon=1e-6, max_grad_norm=1.0, lr_scheduler_type="linear", seed=hyper["seed"],

@@ -225,3 +225,17 @@ def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launc
     assert [proc.returncode for proc in nodes] == [0, 0], outputs[0][-3000:]
     assert "resumed from" in outputs[0]
     assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir))
+
+
+def test_a_failed_rank_exit_code_passes_through_the_launchers(tmp_path, launch_env):
+    proc = run(deepspeed_cmd("--model", "gpt-9", port=free_port()), launch_env, check=False)
+    assert proc.returncode == 2 and "unknown model preset" in proc.stderr + proc.stdout
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n")
+    script = subprocess.run(
+        ["bash", str(REPO / "launch" / "electra_base.sh"), "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json")],
+        env={**launch_env, "HOSTFILE": str(hostfile), "DATA": str(tmp_path / "no-corpus"), "OUT": str(tmp_path / "out"),
+             "PYTHON": sys.executable, "DEEPSPEED": str(Path(sys.executable).parent / "deepspeed"),
+             "LAUNCHER_ARGS": f"--no_ssh --node_rank=0 --master_addr 127.0.0.1 --master_port {free_port()}"},
+        capture_output=True, text=True, timeout=300)
+    assert script.returncode == 2 and "no text files found" in script.stdout + script.stderr
