@@ -102,3 +102,13 @@ def test_finetune_agrees_with_hf_trainer(tmp_path):
     hf_accuracy = float(np.mean(predictions == np.array([r[2] for r in dev])))
     assert abs(100 * ours["accuracy"] - 100 * hf_accuracy) <= 0.5, (ours["accuracy"], hf_accuracy)
     assert ours["accuracy"] > 0.6  # it learned something: SST-2 is balanced
+
+    # the paper's Table 5 on the model just fine-tuned: SwapSynWordNet on the first 200 dev sentences
+    from truneg.robustness import evaluate_glue
+
+    robust = evaluate_glue("sst2", tmp_path / "ours" / "model", glue / "SST-2", tmp_path / "robust", seed=1,
+                           max_eval_samples=200)
+    assert robust["examples"] + robust["dropped_out"] == 200 and robust["examples"] > 150
+    assert robust["drop"] == pytest.approx(robust["original"] - robust["transformed"])
+    assert 50 < robust["original"] <= 100 and 0 <= robust["transformed"] <= 100
+    assert json.loads((tmp_path / "robust" / "robustness.json").read_text())["transformed"] == robust["transformed"]

@@ -71,3 +71,11 @@ def test_finetuning_on_a_split_of_the_dev_set_learns(tmp_path):
     assert trained["f1"] > untrained["f1"] + 2 and trained["exact_match"] > untrained["exact_match"], (untrained, trained)
     saved = json.loads((tmp_path / "one" / "results.json").read_text())
     assert saved["exact_match"] == trained["exact_match"] and 0 <= saved["exact_match"] <= saved["f1"] <= 100
+
+    # the AddSentDiverse-style attack on the model just fine-tuned, over the same dev questions
+    from truneg.robustness import evaluate_squad
+
+    attacked = evaluate_squad(tmp_path / "one" / "model", tmp_path / "dev.json", tmp_path / "attack",
+                              max_eval_samples=100, max_seq_len=192, doc_stride=64)
+    assert attacked["original_f1"] == pytest.approx(trained["f1"])  # the saved model scores as before
+    assert attacked["drop_f1"] == pytest.approx(attacked["original_f1"] - attacked["transformed_f1"])

@@ -1,4 +1,4 @@
-"""Sub-commands of `truneg` for evaluation: `finetune glue` and `finetune squad`."""
+"""Sub-commands of `truneg` for evaluation: fine-tuning, robustness and the ablation runner."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,19 @@ def _finetune_squad(args) -> None:
                              max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
                              seed=args.seed, layerwise_decay=args.layerwise_decay)
     print(json.dumps(results, indent=2))
+
+
+def _robustness_swap(args) -> None:
+    from truneg.robustness import evaluate_glue
+
+    print(json.dumps(evaluate_glue(args.task, args.model, args.data_dir, args.output_dir, args.seed,
+                                   args.max_eval_samples), indent=2))
+
+
+def _robustness_add_sent(args) -> None:
+    from truneg.robustness import evaluate_squad
+
+    print(json.dumps(evaluate_squad(args.model, args.dev, args.output_dir, args.seed, args.max_eval_samples), indent=2))
 
 
 def add_commands(commands) -> None:
@@ -55,6 +68,24 @@ def add_commands(commands) -> None:
     squad.add_argument("--seed", type=int, default=42)
     squad.add_argument("--layerwise-decay", type=float, default=0.8)
     squad.set_defaults(func=_finetune_squad)
+
+    robustness = commands.add_parser("robustness", help="scores under synonym swaps and distractors (paper Table 5)")
+    attacks = robustness.add_subparsers(dest="attack", required=True)
+    swap = attacks.add_parser("swap-syn", help="TextFlint's SwapSynWordNet on a GLUE dev set")
+    swap.add_argument("--task", required=True)
+    swap.add_argument("--model", required=True, help="a fine-tuned classifier (finetune glue's OUTPUT/model)")
+    swap.add_argument("--data-dir", required=True)
+    swap.add_argument("--output-dir", required=True)
+    swap.add_argument("--seed", type=int, default=42)
+    swap.add_argument("--max-eval-samples", type=int)
+    swap.set_defaults(func=_robustness_swap)
+    add_sent = attacks.add_parser("add-sent", help="an AddSentDiverse-style distractor on SQuAD dev")
+    add_sent.add_argument("--model", required=True, help="a fine-tuned QA model (finetune squad's OUTPUT/model)")
+    add_sent.add_argument("--dev", required=True)
+    add_sent.add_argument("--output-dir", required=True)
+    add_sent.add_argument("--seed", type=int, default=42)
+    add_sent.add_argument("--max-eval-samples", type=int)
+    add_sent.set_defaults(func=_robustness_add_sent)
 
     from truneg.ablation import add_command
 

@@ -220,4 +220,6 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
                "batch_size": batch_size, "seed": seed, "layerwise_decay": layerwise_decay}
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    model.save_pretrained(output_dir / "model")  # for `truneg robustness` and further use
+    tokenizer.save_pretrained(output_dir / "model")
     return results

@@ -123,6 +123,19 @@ def best_answers(examples, feats, start_logits, end_logits, n_best: int = 20, ma
     return {qid: text for qid, (_, text) in best.items()}
 
 
+def predict_answers(model, tokenizer, examples: list[dict], max_seq_len: int, doc_stride: int) -> dict[str, str]:
+    model.eval()
+    feats = features(tokenizer, examples, max_seq_len, doc_stride, train=False)
+    inputs = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor)}
+    starts, ends = [], []
+    with torch.no_grad():
+        for start in range(0, len(inputs["input_ids"]), 64):
+            out = model(**{k: v[start: start + 64] for k, v in inputs.items()})
+            starts.append(out.start_logits.numpy())
+            ends.append(out.end_logits.numpy())
+    return best_answers(examples, feats, np.concatenate(starts), np.concatenate(ends))
+
+
 # --- fine-tuning ----------------------------------------------------------------------------------
 
 def finetune_squad(model_dir, train_file, dev_file, output_dir, epochs: int = 2, lr: float = 1e-4, batch_size: int = 32,
@@ -157,20 +170,13 @@ def finetune_squad(model_dir, train_file, dev_file, output_dir, epochs: int = 2,
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-    model.eval()
-    dev = features(tokenizer, dev_examples, max_seq_len, doc_stride, train=False)
-    inputs = {k: v for k, v in dev.items() if isinstance(v, torch.Tensor)}
-    starts, ends = [], []
-    with torch.no_grad():
-        for start in range(0, len(inputs["input_ids"]), 64):
-            out = model(**{k: v[start: start + 64] for k, v in inputs.items()})
-            starts.append(out.start_logits.numpy())
-            ends.append(out.end_logits.numpy())
-    predictions = best_answers(dev_examples, dev, np.concatenate(starts), np.concatenate(ends))
+    predictions = predict_answers(model, tokenizer, dev_examples, max_seq_len, doc_stride)
     results = {"model": str(model_dir), **evaluate_predictions(dev_examples, predictions),
                "train_samples": len(train_examples), "eval_samples": len(dev_examples), "epochs": epochs, "lr": lr, "seed": seed}
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (output_dir / "predictions.json").write_text(json.dumps(predictions, indent=1) + "\n", encoding="utf-8")
+    model.save_pretrained(output_dir / "model")
+    tokenizer.save_pretrained(output_dir / "model")
     return results
