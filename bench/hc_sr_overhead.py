@@ -53,8 +53,7 @@ def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup
     models, optimizers = {}, {}
     for name, variant in VARIANTS.items():
         model = copy.deepcopy(base)
-        model.objective = ObjectiveConfig(hc_lookup=lookup if variant["hc"] else None, sr=variant["sr"])
-        model.hc_lookup = model.objective.hc_lookup
+        model.set_objective(ObjectiveConfig(hc_lookup=lookup if variant["hc"] else None, sr=variant["sr"]))
         models[name], optimizers[name] = model.train(), torch.optim.AdamW(model.parameters(), lr=1e-4)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for step in range(steps + 1):  # step 0 warms up

@@ -200,11 +200,10 @@ def test_sr_and_hc_combine_and_add_to_the_loss(preset, sr, lookup):
     labels = torch.full_like(original, -100)
     labels[:, [3, 7]] = original[:, [3, 7]]
     inputs = original.masked_fill(labels != -100, 103)
-    base.objective = ObjectiveConfig(hc_lookup=lookup, sr=sr, sr_weight=2.0)
-    base.hc_lookup = lookup
+    base.set_objective(ObjectiveConfig(hc_lookup=lookup, sr=sr, sr_weight=2.0))
     torch.manual_seed(5)
     with_sr, stats = base(inputs, torch.ones_like(inputs), labels, original)
-    base.objective = ObjectiveConfig(hc_lookup=lookup)
+    base.set_objective(ObjectiveConfig(hc_lookup=lookup))
     torch.manual_seed(5)
     without_sr, _ = base(inputs, torch.ones_like(inputs), labels, original)
     assert stats["sr_loss"].item() > 0

@@ -104,20 +104,41 @@ def _stats_for_predictions(gold, pred, corrected, masked) -> dict[str, torch.Ten
     }
 
 
-class BertPretrainer(nn.Module):
+class _Pretrainer(nn.Module):
+    """What the BERT and ELECTRA pre-trainers share: the objective's settings and soft regularization."""
+
+    default_prediction = "argmax"
+
+    def set_objective(self, objective: ObjectiveConfig) -> None:
+        self.objective, self.hc_lookup = objective, objective.hc_lookup
+        use_default = objective.hc_prediction == "default"
+        self.prediction = self.default_prediction if use_default else objective.hc_prediction
+        # SR reads the embedding matrix outside the embedding's own forward; ZeRO-3 must gather it.
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(self, self.word_embeddings.weight)
+
+    def add_soft_regularization(self, loss, stats: dict, gold, pred, sentence_pair) -> torch.Tensor:
+        """loss + sr_weight * SR. `sentence_pair()` gives (H_p, H_s, attention mask), encoded only for SR_Sent."""
+        if self.objective.sr == "none":
+            return loss
+        if self.objective.sr == "word":
+            sr = soft_regularization(self.word_embeddings.weight, gold, pred)
+        else:
+            sr = sentence_regularization(*sentence_pair())
+        stats["sr_loss"] = sr.detach()
+        return loss + self.objective.sr_weight * sr
+
+
+class BertPretrainer(_Pretrainer):
     """BertForMaskedLM trained by MLM at the masked positions, with optional HC and SR."""
 
     scheme = "bert"
 
     def __init__(self, mlm: BertForMaskedLM, objective: ObjectiveConfig):
         super().__init__()
-        self.mlm, self.objective = mlm, objective
-        self.hc_lookup = objective.hc_lookup
-        self.prediction = "argmax" if objective.hc_prediction == "default" else objective.hc_prediction
-        # SR reads the embedding matrix outside the embedding's own forward; ZeRO-3 must gather it.
-        import deepspeed
-
-        deepspeed.zero.register_external_parameter(self, self.word_embeddings.weight)
+        self.mlm = mlm
+        self.set_objective(objective)
 
     @property
     def word_embeddings(self) -> nn.Embedding:
@@ -137,23 +158,19 @@ class BertPretrainer(nn.Module):
         corrected = _correct(gold, pred, self.hc_lookup)
         loss = mlm_loss(logits, gold, corrected)
         stats = {"mlm_loss": loss.detach(), **_stats_for_predictions(gold, pred, corrected, masked)}
-        if self.objective.sr != "none":
-            if self.objective.sr == "word":
-                sr = soft_regularization(self.word_embeddings.weight, gold, pred)
-            else:
-                filled = original_ids.masked_scatter(masked, pred)
-                sr = sentence_regularization(
-                    self.encode(filled, attention_mask), self.encode(original_ids, attention_mask), attention_mask
-                )
-            loss = loss + self.objective.sr_weight * sr
-            stats["sr_loss"] = sr.detach()
-        return loss, stats
+
+        def sentence_pair():
+            filled = original_ids.masked_scatter(masked, pred)
+            return self.encode(filled, attention_mask), self.encode(original_ids, attention_mask), attention_mask
+
+        return self.add_soft_regularization(loss, stats, gold, pred, sentence_pair), stats
 
 
-class ElectraPretrainer(nn.Module):
+class ElectraPretrainer(_Pretrainer):
     """ELECTRA: a small generator (MLM) feeds its Gumbel-max samples to the discriminator (RTD)."""
 
     scheme = "electra"
+    default_prediction = "sample"
 
     def __init__(self, generator: ElectraForMaskedLM, discriminator: ElectraForPreTraining, objective: ObjectiveConfig):
         super().__init__()
@@ -161,12 +178,8 @@ class ElectraPretrainer(nn.Module):
         # output layer tied to the word embeddings, as in the official ELECTRA.
         generator.electra.embeddings = discriminator.electra.embeddings
         generator.generator_lm_head.weight = discriminator.electra.embeddings.word_embeddings.weight
-        self.generator, self.discriminator, self.objective = generator, discriminator, objective
-        self.hc_lookup = objective.hc_lookup
-        self.prediction = "sample" if objective.hc_prediction == "default" else objective.hc_prediction
-        import deepspeed
-
-        deepspeed.zero.register_external_parameter(self, self.word_embeddings.weight)
+        self.generator, self.discriminator = generator, discriminator
+        self.set_objective(objective)
 
     @property
     def word_embeddings(self) -> nn.Embedding:
@@ -201,15 +214,12 @@ class ElectraPretrainer(nn.Module):
             "disc_tokens": active.sum().float(),
             **_stats_for_predictions(gold, pred, corrected, masked),
         }
-        if self.objective.sr != "none":
-            if self.objective.sr == "word":
-                sr = soft_regularization(self.word_embeddings.weight, gold, pred)
-            else:
-                h_gold = self.discriminator.electra(input_ids=original_ids, attention_mask=attention_mask)
-                sr = sentence_regularization(disc_out.last_hidden_state, h_gold.last_hidden_state, attention_mask)
-            loss = loss + self.objective.sr_weight * sr
-            stats["sr_loss"] = sr.detach()
-        return loss, stats
+
+        def sentence_pair():  # the discriminator already encoded the filled-in sentence
+            h_gold = self.discriminator.electra(input_ids=original_ids, attention_mask=attention_mask)
+            return disc_out.last_hidden_state, h_gold.last_hidden_state, attention_mask
+
+        return self.add_soft_regularization(loss, stats, gold, pred, sentence_pair), stats
 
 
 def build_pretrainer(
