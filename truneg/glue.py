@@ -183,12 +183,16 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
     optimizer = torch.optim.AdamW(groups, lr=lr, eps=1e-6)
     scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(warmup_ratio * total_steps), total_steps)
     engine, device = model, torch.device("cpu")
-    if deepspeed_config:  # on GPUs: the same loop through a DeepSpeed engine
+    if deepspeed_config:  # on GPUs: the same loop through a DeepSpeed engine, with this recipe's optimizer
         import deepspeed
 
-        config = json.loads(Path(deepspeed_config).read_text())
-        config.update(train_micro_batch_size_per_gpu=batch_size, gradient_accumulation_steps=1)
-        config.pop("train_batch_size", None)
+        from truneg.config import read_config
+        from truneg.trainer import init_distributed
+
+        init_distributed()
+        config = {k: v for k, v in read_config(deepspeed_config).items()
+                  if k not in ("optimizer", "scheduler", "train_batch_size", "tensorboard", "csv_monitor", "wandb")}
+        config.update(train_micro_batch_size_per_gpu=batch_size, gradient_accumulation_steps=1, gradient_clipping=1.0)
         engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                                config=config)
         device = engine.device
@@ -212,7 +216,7 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
     metrics: dict[str, float] = {}
     for name, rows in dev_sets.items():
         dev = encode(tokenizer, rows, max_seq_len)
-        scores = compute_metrics(task_name, predict(model, dev, 64, regression, device), dev["labels"].numpy())
+        scores = compute_metrics(task_name, predict(engine, dev, 64, regression, device), dev["labels"].numpy())
         suffix = "_mm" if name == "dev_mismatched.tsv" else ""
         metrics.update({k + suffix: v for k, v in scores.items()})
     results = {"task": task_name, "model": str(model_dir), **metrics, "train_samples": len(train_rows),
