@@ -81,8 +81,9 @@ class MetricsLogger:
         record["hc_pred_ratio"] = totals["corrected"] / max(totals["mismatched"], 1.0)
         record["mlm_accuracy"] = 1.0 - totals["mismatched"] / max(totals["masked"], 1.0)
         record["lr"] = self.engine.get_lr()[0]
-        if self.engine.fp16_enabled():
-            record["loss_scale"] = float(self.engine.optimizer.cur_scale)
+        scale = self.engine._get_optimizer_loss_scale() if self.engine.fp16_enabled() else None  # as DeepSpeed logs it
+        if scale is not None:
+            record["loss_scale"] = float(scale)
         record["nonfinite_steps"] = int(totals["nonfinite_steps"])
         record["samples_per_sec"] = totals["samples"] / elapsed if elapsed > 0 else math.nan
         record["tokens_per_sec"] = record["samples_per_sec"] * self.seq_len
