@@ -98,13 +98,16 @@ def claim_output_dir(args, ds_config: dict, rank: int) -> None:
             f"{out} holds {what}; resume it with --resume auto and the same arguments, choose another "
             "--output-dir, or pass --overwrite to delete them"
         )
+    dist.barrier()  # every rank has read run.json before rank 0 rewrites it
     if rank == 0:
         if args.overwrite:
             for name in ("checkpoints", "tensorboard", "csv"):
                 shutil.rmtree(out / name, ignore_errors=True)
             (out / "metrics.jsonl").unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
-        run_file.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
+        tmp = run_file.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(run_file)
     dist.barrier()
 
 
