@@ -66,6 +66,11 @@ def start(cmd: list[str], env: dict) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
+def shm_allreduce_buffers(port: int) -> list[Path]:
+    """The /dev/shm files of DeepSpeed's CPU allreduce for a run on `port` (see trainer.init_distributed)."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     try:
         os.killpg(proc.pid, sig)

@@ -18,6 +18,7 @@ from conftest import (
     kill_group,
     read_metrics,
     run,
+    shm_allreduce_buffers,
     start,
     train_args,
     wait_for,
@@ -55,7 +56,8 @@ def test_kill_9_then_resume_gives_bitwise_equal_losses(case, runs, tmp_path, lau
     reference = comparable(read_metrics(reference_dir))
     out = tmp_path / "run"
     cmd_args = train_args(case, out, small_corpus)
-    proc = start(deepspeed_cmd(*cmd_args, port=free_port()), launch_env)
+    killed_port, resumed_port = free_port(), free_port()
+    proc = start(deepspeed_cmd(*cmd_args, port=killed_port), launch_env)
     latest = out / "checkpoints" / "latest"
     try:
         assert wait_for(lambda: latest.is_file() or proc.poll() is not None, timeout=240), "no checkpoint appeared"
@@ -67,7 +69,9 @@ def test_kill_9_then_resume_gives_bitwise_equal_losses(case, runs, tmp_path, lau
     assert proc.returncode != 0 and killed_at < MAX_STEPS, "the run ended before it could be killed"
     resumed_from = int(latest.read_text().replace("global_step", ""))
 
-    second = run(deepspeed_cmd(*cmd_args, port=free_port()), launch_env)
+    second = run(deepspeed_cmd(*cmd_args, port=resumed_port), launch_env)
+    # DeepSpeed's CPU allreduce buffers live in RAM-backed /dev/shm: neither run may leave one behind.
+    assert shm_allreduce_buffers(killed_port) + shm_allreduce_buffers(resumed_port) == []
     assert f"resumed from {out / 'checkpoints'} at step {resumed_from}" in second.stdout
     after = comparable(read_metrics(out))
     assert [r["step"] for r in after] == list(range(1, MAX_STEPS + 1))

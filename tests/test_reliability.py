@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,16 +77,30 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus):
         "another run's folder": (["--output-dir", str(other_run)], "holds another run's checkpoints"),
         "unreadable checkpoint": (["--resume", str(broken_ckpt)], "cannot read checkpoint"),
     }
-    procs = {}
-    for name, (extra, _) in cases.items():
-        args = base + extra
+    # A lock that a process killed while loading DeepSpeed's JIT-built comm op left behind.
+    stale_lock = tmp_path / "torch_extensions" / "deepspeed_shm_comm" / "lock"
+    stale_lock.parent.mkdir(parents=True)
+    stale_lock.touch()
+    os.utime(stale_lock, (time.time() - 3600, time.time() - 3600))
+    envs = {"stale build lock": {**launch_env, "TORCH_EXTENSIONS_DIR": str(stale_lock.parent.parent)}}
+    cases["stale build lock"] = ([], "delete it if no build is running")
+
+    def launch(name: str) -> subprocess.Popen:
+        extra = cases[name][0]
         out = ["--output-dir", str(tmp_path / f"out_{name.replace(' ', '_')}")] if "--output-dir" not in extra else []
-        procs[name] = subprocess.Popen(pretrain_cmd(*args, *out), env=launch_env, cwd=REPO, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), cases[name][1])
+        return subprocess.Popen(pretrain_cmd(*base, *extra, *out), env=envs.get(name, launch_env), cwd=REPO,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    # Four at a time: each process imports torch, DeepSpeed and transformers (~1 GB), and CI has 24 GiB.
+    pending = list(cases)
+    while pending:
+        batch, pending = pending[:4], pending[4:]
+        procs = {name: launch(name) for name in batch}
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), cases[name][1])
     assert snapshot(other_run) == before, "a refused run must not touch the folder"
+    assert stale_lock.exists(), "truneg must not delete a lock that a running build may hold"
 
 
 def test_hostfile_errors_stop_the_launch_scripts(tmp_path, launch_env):

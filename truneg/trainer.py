@@ -42,8 +42,43 @@ def init_distributed() -> tuple[int, int]:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "gloo" if get_accelerator().device_name() == "cpu" else None
+    if backend == "gloo":
+        _refuse_stale_build_lock("deepspeed_shm_comm")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    _unlink_shm_allreduce_buffer()
     return dist.get_rank(), dist.get_world_size()
+
+
+STALE_BUILD_LOCK_S = 600
+
+
+def _refuse_stale_build_lock(extension: str) -> None:
+    """torch takes a lock file on every load of a JIT-built op; a process killed in that second leaves it
+    behind, and every later launch would wait on it forever without a word. A build takes about a minute."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(extension, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        raise UserError(f"{lock} is {age / 60:.0f} minutes old, left by a process killed while loading DeepSpeed's "
+                        f"{extension} op; delete it if no build is running")
+
+
+def _unlink_shm_allreduce_buffer() -> None:
+    """Drop the name of this rank's shared-memory allreduce buffer once every local rank has mapped it.
+
+    DeepSpeed's CPU comm op creates /dev/shm/deepspeed_allreduce_buffer_* (69 MB a rank) and never
+    unlinks it, so every run, and every kill -9, would leave RAM-backed files behind until the machine
+    fills. The mappings stay valid after the unlink, and the kernel frees the memory when the last rank exits.
+    """
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
+            f"_{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    if dist.get_world_size() > 1:
+        dist.barrier()  # every rank has opened every peer's buffer by now
+    (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
 def deepspeed_config(args, world_size: int) -> dict:
