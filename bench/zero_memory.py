@@ -46,8 +46,9 @@ def worker(args) -> None:
     from truneg.config import prepare_config
     from truneg.data import load_tokenizer
     from truneg.models import ObjectiveConfig, build_pretrainer
+    from truneg.trainer import init_distributed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     config = prepare_config(REPO / "ds_configs" / "cpu_zero2.json", dist.get_world_size(), 100, Path(args.out),
                             micro_batch=2, grad_accum=1)
     config["zero_optimization"] = {"stage": args.stage}
