@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     import deepspeed
 
     from truneg.data import DEFAULT_TOKENIZER, DEMO_CORPUS
-    from truneg.models import MAX_POSITIONS, PRESETS
+    from truneg.models import MAX_POSITIONS, PRESETS, check_preset
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="electra-tiny", help=f"preset: {', '.join(PRESETS)}")
@@ -66,8 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("seq_len", "max_steps", "log_steps", "max_nonfinite_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.model not in PRESETS:
-        raise UserError(f"unknown model preset {args.model!r}; choose one of {', '.join(PRESETS)}")
+    check_preset(args.model)
     if args.seq_len > MAX_POSITIONS:
         raise UserError(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} or less")
     return args

@@ -185,9 +185,8 @@ def synonym_lookup(args, tokenizer):
 def build_engine(args, ds_config: dict, tokenizer):
     import deepspeed
 
-    from truneg.models import ObjectiveConfig, build_pretrainer, check_preset
+    from truneg.models import ObjectiveConfig, build_pretrainer
 
-    check_preset(args.model)
     objective = ObjectiveConfig(synonym_lookup(args, tokenizer), args.hc_prediction, args.sr, args.sr_weight)
     torch.manual_seed(args.seed)  # identical initial weights on every rank (ZeRO-3 partitions each rank's copy)
     model = build_pretrainer(args.model, objective, args.init_from, args.dropout)
