@@ -45,7 +45,8 @@ def init_distributed() -> tuple[int, int]:
     if backend == "gloo":
         _refuse_stale_build_lock("deepspeed_shm_comm")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    _unlink_shm_allreduce_buffer()
+    if backend == "gloo":
+        _unlink_shm_allreduce_buffer()
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -55,9 +56,12 @@ STALE_BUILD_LOCK_S = 600
 def _refuse_stale_build_lock(extension: str) -> None:
     """torch takes a lock file on every load of a JIT-built op; a process killed in that second leaves it
     behind, and every later launch would wait on it forever without a word. A build takes about a minute."""
-    from torch.utils.cpp_extension import _get_build_directory
+    try:  # torch's own rule for where the op is built (a private helper, hence the guard)
+        from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(extension, verbose=False)) / "lock"
+        lock = Path(_get_build_directory(extension, verbose=False)) / "lock"
+    except (ImportError, AttributeError, TypeError):
+        return
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
