@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from truneg.data import load_tokenizer, mask_tokens  # noqa: E402
+from truneg.data import load_tokenizer  # noqa: E402
+from truneg.masking import default_max_predictions, mask_tokens  # noqa: E402
 from truneg.models import ObjectiveConfig, build_pretrainer  # noqa: E402
 
 
@@ -29,10 +30,8 @@ def train_flops_per_sample(preset: str, seq_len: int) -> float:
     model = build_pretrainer(preset, ObjectiveConfig()).eval()
     rows = np.random.default_rng(0).integers(1000, 30000, (1, seq_len))
     rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
-    inputs, labels = mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), model.scheme,
-                                 0, 0, np.arange(1))
-    kwargs = {"input_ids": inputs, "attention_mask": torch.ones_like(inputs), "labels": labels,
-              "original_ids": torch.from_numpy(rows)}
+    kwargs = mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), model.scheme,
+                         0, 0, np.arange(1), default_max_predictions(seq_len))
     with torch.no_grad():
         flops, _, params = get_model_profile(model, kwargs=kwargs, print_profile=False, as_string=False, warm_up=0)
     return 3.0 * flops

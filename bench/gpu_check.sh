@@ -1,43 +1,139 @@
 #!/usr/bin/env bash
-# One-GPU check, under 8 minutes: bert-large (seq 128) and electra-base, about 100 steps each, with and
-# without HC+SR. Prints samples/s, MFU (from DeepSpeed's flops profiler) and the HC+SR overhead.
-#   bash bench/gpu_check.sh            # needs a CUDA GPU; bf16 where supported, else fp16
-# Anchors: DeepSpeed 272 samples/s per V100 and NVIDIA 580 per A100 for BERT-large phase 1.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-DS=${DS:-.venv/bin/deepspeed}
-OUT=${OUT:-runs/gpu_check}
-STEPS=${STEPS:-100}
-DATA=${DATA:-truneg/assets/corpus}
-PEAK=${PEAK:-$($PY -c "import torch; n=torch.cuda.get_device_name(); print(989 if 'H100' in n or 'H200' in n else 312 if 'A100' in n else 125)")}
-BF16=$($PY -c "import torch; print(int(torch.cuda.is_bf16_supported()))")
-rm -rf "$OUT"; mkdir -p "$OUT"
-FLOPS=$($PY bench/flops.py --presets bert-large,electra-base | tail -1)
-echo "$FLOPS"
-for model in bert-large electra-base; do
-  base=${model%%-*}
-  if [ "$BF16" = 1 ]; then config=ds_configs/${base}_$( [ $base = bert ] && echo large || echo base )_a100_bf16_zero3.json
-  else config=ds_configs/${base}_$( [ $base = bert ] && echo large || echo base )_v100_fp16_zero2.json; fi
-  for variant in baseline hcsr; do
-    extra=(); [ $variant = hcsr ] && extra=(--hc wordnet --sr word)
-    $DS --num_gpus 1 truneg/pretrain.py --model $model --deepspeed_config $config --train-data $DATA \
-      --seq-len 128 --micro-batch-size 32 --gradient-accumulation-steps 1 --max-steps $STEPS --log-steps 10 \
-      --save-steps 0 --output-dir "$OUT/$model-$variant" --overwrite "${extra[@]}" > "$OUT/$model-$variant.log" 2>&1
-  done
-done
-$PY - "$OUT" "$PEAK" "$FLOPS" <<'PYEOF'
-import json, statistics, sys
-out, peak, flops = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-per_sample = {kv.split("=")[0].split("_tflops")[0]: float(kv.split("=")[1]) for kv in flops.split()[1:]}
-print(f"{'run':<24} {'samples/s':>10} {'TFLOPS':>8} {'MFU':>6}")
-rates = {}
-for model in ("bert-large", "electra-base"):
-    for variant in ("baseline", "hcsr"):
-        records = [json.loads(l) for l in open(f"{out}/{model}-{variant}/metrics.jsonl")]
-        rate = statistics.median(r["samples_per_sec"] for r in records[2:])  # skip warm-up intervals
-        rates[model, variant] = rate
-        tflops = rate * per_sample[model.replace("-", "_")]
-        print(f"{model + ' ' + variant:<24} {rate:>10.1f} {tflops:>8.1f} {tflops / peak:>6.1%}")
-    print(f"{model}: HC+SR step time / baseline = {rates[model, 'baseline'] / rates[model, 'hcsr']:.3f}")
+# One-GPU check in 5 minutes, on a bare image without network (README, "GPU check"):
+#   bash bench/gather_wheels.sh            # here, with PyPI: the wheels the image lacks -> .cache/gpu_wheels
+#   bash bench/gpu_check.sh                # there: installs them, then the four stages below
+#   bash bench/gpu_check.sh --cpu-dry-run  # the same stages on the CPU with tiny models (tests/test_gpu_check.py)
+#
+# Stages (bench/gpu_check.py; each under `timeout`, each appending its lines to the summary as it goes):
+#   1. every shipped GPU config (ds_configs/*.json but cpu_*) starts and takes 10 steps on a tiny model;
+#   2. save, kill -9, resume: losses within 1e-5 relative of an uninterrupted run, CUDA RNG in the checkpoint;
+#   3. one BERT-large HC+SR step under torch.cuda.set_sync_debug_mode("warn"): host syncs per phase;
+#   4. BERT-large seq 128 bf16: ZeRO-2 vs ZeRO-3, with and without HC+SR, --compile for ZeRO-2 HC+SR;
+#      ELECTRA-base baseline and HC+SR: samples/s, MFU (989 TFLOP/s and a bf16 GEMM measured here), peak memory.
+# Stages 1-3 run side by side (they count, not time); stage 4 alone. The fused optimizers' JIT builds start
+# first, in the background.
+#
+# Environment: OUT (the summary goes to $OUT/gpu_check.txt and the logs to $OUT/gpu_check.log; OUT itself is
+# never deleted, and the summary only appended to), WHEELS (default .cache/gpu_wheels), PY (default python3;
+# .venv/bin/python for the dry run), BUDGET_S (the whole check; default 290, dry run 900), STAGES (default
+# 1,2,3,4), STAGE<N>_TIMEOUT_S (one stage's limit). Exit status 0 when every stage passed, else 1.
+# No `set -e`: a stage that fails or times out is recorded and the next one runs.
+cd "$(dirname "$0")/.." || exit 2
+DRY=0
+case "${1:-}" in
+  --cpu-dry-run) DRY=1 ;;
+  "") ;;
+  *) echo "usage: bash bench/gpu_check.sh [--cpu-dry-run]" >&2; exit 2 ;;
+esac
+if [ $DRY = 1 ]; then
+  PY=${PY:-.venv/bin/python}; FLAG=--cpu-dry-run; BUDGET_S=${BUDGET_S:-900}
+  export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}  # the CPU comm op, built once
+else
+  PY=${PY:-python3}; FLAG=; BUDGET_S=${BUDGET_S:-290}
+  export DS_ACCELERATOR=cuda
+fi
+WHEELS=${WHEELS:-.cache/gpu_wheels}
+STAGES=${STAGES:-1,2,3,4}
+WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
+if [ -n "${OUT:-}" ]; then RESULTS=$OUT; else RESULTS=runs/gpu_check; fi
+SUMMARY=$RESULTS/gpu_check.txt
+LOG=$RESULTS/gpu_check.log
+mkdir -p "$RESULTS" "$WORK"
+export TRUNEG_CACHE=$WORK/cache PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$WORK/torch_extensions}
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+left() { echo $((BUDGET_S - SECONDS)); }
+status() { [ "$1" = 0 ] && echo ok || echo "FAILED (exit $1)"; }
+
+note "== bench/gpu_check.sh $([ $DRY = 1 ] && echo "--cpu-dry-run" || echo "on $(hostname)"), $(date -u '+%Y-%m-%d %H:%M UTC'), budget ${BUDGET_S} s, stages $STAGES"
+
+# Install what the image lacks, from the folder bench/gather_wheels.sh made (no network needed).
+if [ $DRY = 0 ]; then
+  if [ -f "$WHEELS/requirements.txt" ]; then
+    t0=$SECONDS
+    timeout 150 "$PY" -m pip install -q --no-index --find-links "$WHEELS" -r "$WHEELS/requirements.txt" >> "$LOG" 2>&1
+    rc=$?
+    note "install from $WHEELS: $(status $rc) in $((SECONDS - t0)) s"
+    if [ $rc != 0 ]; then
+      # The resolver wants a version the folder lacks (a folder made with --present that guessed wrong): install
+      # the folder's wheels of the packages the image has none of, as they are, and let the stages tell.
+      MISSING=$("$PY" - "$WHEELS" <<'PYEOF'
+import sys
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+for wheel in sorted(Path(sys.argv[1]).glob("*.whl")):
+    try:
+        distribution(wheel.name.split("-")[0])
+    except PackageNotFoundError:
+        print(wheel)
 PYEOF
+)
+      # shellcheck disable=SC2086
+      timeout 150 "$PY" -m pip install -q --no-index --no-deps $MISSING >> "$LOG" 2>&1
+      note "install --no-deps of the $(echo "$MISSING" | grep -c .) wheels the image lacks: $(status $?)"
+    fi
+    if [ -f "$WHEELS/nltk_data.tar.gz" ]; then
+      mkdir -p "$WORK/nltk_data" && tar -xzf "$WHEELS/nltk_data.tar.gz" -C "$WORK/nltk_data"
+      export NLTK_DATA=$WORK/nltk_data
+    fi
+  else
+    note "install: no $WHEELS/requirements.txt (bench/gather_wheels.sh makes it); using what the image has"
+  fi
+  note "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | head -2)"
+  note "nvcc: $( (nvcc --version || "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version) 2>&1 | grep -i release || echo 'not found: the fused optimizers cannot build')"
+fi
+timeout 60 "$PY" bench/gpu_check.py info --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1
+note "info: $(status $?)"
+
+# The fused optimizers (FusedAdam for the AdamW configs, FusedLamb for the LAMB one) build just in time with
+# this machine's nvcc; start both now so that stage 1 finds them built or under way.
+BUILDS=()
+if [ $DRY = 0 ]; then
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null)}
+  export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+  prebuild() {
+    local t0=$SECONDS
+    timeout "$(left)" "$PY" -c "from deepspeed.ops.op_builder import ${1}Builder as B; B().load()" > "$WORK/build_$1.log" 2>&1
+    note "JIT build $1 (sm ${TORCH_CUDA_ARCH_LIST}): $(status $?) in $((SECONDS - t0)) s"
+  }
+  prebuild FusedAdam & BUILDS+=($!)
+  prebuild FusedLamb & BUILDS+=($!)
+fi
+
+run_stage() {  # run_stage N NAME DEFAULT_LIMIT_S SUBCOMMAND
+  local n=$1 name=$2 sub=$4 limit_var="STAGE$1_TIMEOUT_S"
+  case ",$STAGES," in *",$n,"*) ;; *) return 0 ;; esac
+  local limit=${!limit_var:-$3} rest
+  rest=$(left)
+  [ "$limit" -gt "$rest" ] && limit=$rest
+  if [ "$limit" -lt 5 ]; then
+    note "stage $n $name: SKIPPED (the ${BUDGET_S} s budget is spent)"; echo SKIPPED > "$WORK/status.$n"; return 0
+  fi
+  local t0=$SECONDS rc result
+  timeout -s KILL "$limit" "$PY" bench/gpu_check.py "$sub" --summary "$SUMMARY" --work "$WORK" $FLAG > "$WORK/stage$n.log" 2>&1
+  rc=$?
+  case $rc in
+    0) result=PASS ;;
+    124|137) result="TIMEOUT after $limit s" ;;
+    *) result="FAIL (exit $rc)" ;;
+  esac
+  note "stage $n $name: $result in $((SECONDS - t0)) s"
+  [ $rc = 0 ] || note "  last line of its log: $(grep -v '^[[:space:]]*$' "$WORK/stage$n.log" | tail -1 | cut -c1-300)"
+  echo "$result" > "$WORK/status.$n"
+  { echo "===== stage $n $name: $result"; cat "$WORK/stage$n.log"
+    for f in "$WORK/stage$n"/*.log; do [ -f "$f" ] && { echo "----- $f"; cat "$f"; }; done; } >> "$LOG" 2>/dev/null
+}
+
+# Stages 1-3 time nothing: side by side. Stage 4 times, so it runs alone.
+run_stage 1 configs 150 configs & S1=$!
+run_stage 2 resume 150 resume & S2=$!
+run_stage 3 syncs 150 syncs & S3=$!
+wait $S1 $S2 $S3
+run_stage 4 throughput 290 throughput
+[ ${#BUILDS[@]} -gt 0 ] && wait "${BUILDS[@]}"
+
+FAILED=$(cat "$WORK"/status.* 2>/dev/null | grep -vc '^PASS$')
+note "== done in ${SECONDS} s: $([ "$FAILED" = 0 ] && echo "every stage passed" || echo "$FAILED stage(s) did not pass"); work files in $WORK"
+[ "$FAILED" = 0 ]

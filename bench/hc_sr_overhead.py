@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from truneg.data import load_tokenizer, mask_tokens  # noqa: E402
+from truneg.data import load_tokenizer  # noqa: E402
+from truneg.masking import default_max_predictions, mask_tokens  # noqa: E402
 from truneg.models import ObjectiveConfig, build_pretrainer  # noqa: E402
 from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  # noqa: E402
 
@@ -40,10 +41,15 @@ def real_batch(tokenizer, batch: int, seq_len: int, scheme: str) -> dict[str, to
     ids = tokenizer(text[:200_000], add_special_tokens=False, verbose=False)["input_ids"]
     body = seq_len - 2
     rows = np.array([[tokenizer.cls_token_id] + ids[i * body:(i + 1) * body] + [tokenizer.sep_token_id] for i in range(batch)])
-    inputs, labels = mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme, 0, 0,
-                                 np.arange(batch))
-    return {"input_ids": inputs, "attention_mask": torch.ones_like(inputs), "labels": labels,
-            "original_ids": torch.from_numpy(rows).long()}
+    return mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme, 0, 0,
+                       np.arange(batch), default_max_predictions(seq_len))
+
+
+def hf_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """HF-style MLM labels (-100 off the masked positions) of a truneg batch."""
+    labels = torch.full_like(batch["original_ids"], -100)
+    gold = batch["original_ids"].gather(1, batch["masked_positions"])
+    return labels.scatter(1, batch["masked_positions"], torch.where(batch["masked_valid"], gold, -100))
 
 
 def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup) -> dict[str, float]:
@@ -53,7 +59,8 @@ def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup
     models, optimizers = {}, {}
     for name, variant in VARIANTS.items():
         model = copy.deepcopy(base)
-        model.set_objective(ObjectiveConfig(hc_lookup=lookup if variant["hc"] else None, sr=variant["sr"]))
+        model.set_objective(ObjectiveConfig(hc_lookup=lookup if variant["hc"] else None, sr=variant["sr"],
+                                            sr_sent_target=variant.get("target", "masked")))
         models[name], optimizers[name] = model.train(), torch.optim.AdamW(model.parameters(), lr=1e-4)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for step in range(steps + 1):  # step 0 warms up
@@ -80,7 +87,9 @@ def main() -> None:
     parser.add_argument("--presets", default="electra-small,bert-base")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--sr-sent-target", choices=["masked", "original"], default="masked")
     args = parser.parse_args()
+    VARIANTS["sr_sent"]["target"] = args.sr_sent_target
     lookup = SynonymLookup(SynonymTable.load(SHIPPED_WORDNET_TABLE))
     ratios = {}
     for preset in args.presets.split(","):

@@ -20,7 +20,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.hc_sr_overhead import real_batch  # noqa: E402
+from bench.hc_sr_overhead import hf_labels, real_batch  # noqa: E402
 from truneg.data import load_tokenizer  # noqa: E402
 from truneg.models import BERT_PRESETS, BertPretrainer, ObjectiveConfig  # noqa: E402
 
@@ -42,22 +42,23 @@ def step_time(step_fn, optimizer) -> float:
 
 def bench_size(name: str, batch_size: int, steps: int) -> float:
     torch.manual_seed(0)
-    hf = BertForMaskedLM(BertConfig(**SIZES[name])).train()
+    hf = BertForMaskedLM(BertConfig(**SIZES[name], attn_implementation="sdpa")).train()
     ours = BertPretrainer(copy.deepcopy(hf), ObjectiveConfig()).train()
     batch = real_batch(load_tokenizer(), batch_size, 128, "bert")
-    hf_labels = batch["labels"]
+    labels = hf_labels(batch)
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4)
     our_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     hf_times, our_times = [], []
     for step in range(steps + 1):  # step 0 warms up
-        pair = [("hf", lambda: hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=hf_labels).loss, hf_opt),
+        # both without an attention mask (packed blocks have no padding), both with SDPA attention
+        pair = [("hf", lambda: hf(input_ids=batch["input_ids"], labels=labels).loss, hf_opt),
                 ("ours", lambda: ours(**batch)[0], our_opt)]
         for who, fn, opt in pair if step % 2 else pair[::-1]:
             seconds = step_time(fn, opt)
             if step:
                 (hf_times if who == "hf" else our_times).append(seconds)
     hf_ms, our_ms = 1e3 * statistics.median(hf_times), 1e3 * statistics.median(our_times)
-    masked = int((batch["labels"] != -100).sum())
+    masked = int(batch["masked_valid"].sum())
     print(f"{name:<6} {hf_ms:>12.1f} {our_ms:>12.1f} {hf_ms / our_ms:>8.3f}   ({masked} of {batch_size * 128} positions masked)")
     return hf_ms / our_ms
 

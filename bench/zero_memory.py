@@ -45,8 +45,8 @@ def worker(args) -> None:
     from bench.hc_sr_overhead import real_batch
     from truneg.config import prepare_config
     from truneg.data import load_tokenizer
+    from truneg.distributed import init_distributed
     from truneg.models import ObjectiveConfig, build_pretrainer
-    from truneg.trainer import init_distributed
 
     init_distributed()
     config = prepare_config(REPO / "ds_configs" / "cpu_zero2.json", dist.get_world_size(), 100, Path(args.out),

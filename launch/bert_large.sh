@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# BERT-large phase-1 pre-training (seq 128) on V100 nodes: fp16, ZeRO-2, LAMB.
-#   DATA=/shared/corpus OUT=/shared/runs/bert-large HC=wordnet SR=word launch/bert_large.sh [extra flags]
-# On A100/H100: CONFIG=ds_configs/bert_large_a100_bf16_zero3.json launch/bert_large.sh
+# The paper's bert-large, continued from public weights on one 8-GPU node: seq 512, batch 128, lr 5e-5,
+# 200k steps.
+#   OUTPUT=/shared/runs/bert_large INIT=/shared/ckpt/bert-large DATA=/shared/wiki-books HC=wordnet launch/bert_large.sh [extra flags]
 source "$(dirname "$0")/common.sh"
-launch --model bert-large --seq-len 128 \
-  --deepspeed_config "${CONFIG:-$REPO/ds_configs/bert_large_v100_fp16_zero2.json}" \
+launch --model bert-large --seq-len 512 \
+  --init-from "${INIT:?set INIT to an HF BERT-large checkpoint folder (e.g. bert-large-uncased)}" \
+  --deepspeed_config "${CONFIG:-$(recipe bert_large_continued)}" \
   --train-data "${DATA:?set DATA to the corpus (files, folder or glob)}" \
-  --output-dir "${OUT:-$REPO/runs/bert-large}" --max-steps "${STEPS:-100000}" \
-  --save-steps 2000 --log-steps 50 --hc "${HC:-none}" --sr "${SR:-none}" "$@"
+  --output-dir "$OUTPUT" --max-steps "${STEPS:-200000}" --save-steps 5000 --keep-checkpoints "${KEEP:-3}" \
+  --log-steps 100 --hc "${HC:-none}" --sr "${SR:-none}" "$@"

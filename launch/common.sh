@@ -1,14 +1,46 @@
-# Sourced by the launch scripts: check the hostfile, then hand over to the deepspeed launcher.
-# Multi-node runs go over pdsh (or ssh): every node needs this repo at the same path, the same venv,
-# passwordless ssh from the launching node, and the data on a shared file system. DeepSpeed forwards
-# the variables listed in ~/.deepspeed_env (one NAME=VALUE per line), e.g. NCCL_SOCKET_IFNAME.
+# Sourced by the launch scripts: check the hostfile, write the run's env file for the other nodes, check
+# the run (`truneg preflight`), then hand over to the deepspeed launcher.
+#
+# Multi-node runs go over pdsh (or ssh/MPI): every node needs this repo and its venv at the same path,
+# passwordless ssh from the launching node, and OUTPUT and the data on storage every node sees (only
+# rank 0 writes `latest` and the run record: a node-local OUTPUT makes the nodes disagree on where to
+# resume). DeepSpeed forwards only some variables (NCCL_*, PYTHON*, ...) to the other nodes; the rest
+# go in $OUTPUT/deepspeed_env, which DS_ENV_FILE names (see truneg/hostfile.py).
+#
+#   OUTPUT    the run's folder (required; shared storage)
+#   GPU       v100 (default: fp16, the paper's machines) | a100 | h100 | h200 (bf16)
+#   HOSTFILE  default launch/hosts;  CONFIG  a config instead of the recipe's;  PREFLIGHT=0 skips the check
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HOSTFILE="${HOSTFILE:-$REPO/launch/hosts}"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 DEEPSPEED="${DEEPSPEED:-$REPO/.venv/bin/deepspeed}"
+GPU="${GPU:-v100}"
+case "$GPU" in
+  v100) PRECISION=v100_fp16; GPU_ARCH=sm70 ;;
+  a100) PRECISION=a100_bf16; GPU_ARCH=sm80 ;;
+  h100|h200) PRECISION=a100_bf16; GPU_ARCH=sm90 ;;
+  *) echo "truneg: error: GPU=$GPU: use v100, a100, h100 or h200" >&2; exit 2 ;;
+esac
 "$PYTHON" -m truneg.hostfile "$HOSTFILE"
+OUTPUT="${OUTPUT:-}"
+if [ -z "$OUTPUT" ]; then
+  echo "truneg: error: set OUTPUT to this run's folder on storage every node sees, e.g. OUTPUT=/shared/runs/NAME" >&2
+  exit 2
+fi
+mkdir -p "$OUTPUT"
+OUTPUT="$(cd "$OUTPUT" && pwd)"
+export DS_ENV_FILE="$OUTPUT/deepspeed_env"
+"$PYTHON" -m truneg.hostfile "$HOSTFILE" --env-file "$DS_ENV_FILE"
+
+recipe() {  # recipe STEM: the recipe's config for $GPU
+  echo "$REPO/ds_configs/${1}_${PRECISION}_zero2.json"
+}
+
 launch() {
+  if [ "${PREFLIGHT:-1}" != 0 ]; then
+    "$PYTHON" -m truneg.preflight --hostfile "$HOSTFILE" --gpu-arch "$GPU_ARCH" "$@"
+  fi
   # exec: the launcher's exit status, which is a failed rank's, is this script's.
   exec "$DEEPSPEED" --hostfile "$HOSTFILE" ${LAUNCHER_ARGS:-} "$REPO/truneg/pretrain.py" "$@"
 }

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# ELECTRA-base pre-training on V100 nodes: fp16, ZeRO-2, Adam, the paper's batch 256 and 766k steps.
-#   DATA=/shared/corpus OUT=/shared/runs/electra-base HC=wordnet SR=word launch/electra_base.sh [extra flags]
-# On A100/H100: CONFIG=ds_configs/electra_base_a100_bf16_zero3.json launch/electra_base.sh
+# The paper's electra-base, continued from public weights on one 8-GPU node: seq 512, batch 128, lr 5e-5,
+# 200k steps.
+#   OUTPUT=/shared/runs/electra_base INIT=/shared/ckpt/electra-base DATA=/shared/wiki-books HC=wordnet launch/electra_base.sh [extra flags]
 source "$(dirname "$0")/common.sh"
 launch --model electra-base --seq-len 512 \
-  --deepspeed_config "${CONFIG:-$REPO/ds_configs/electra_base_v100_fp16_zero2.json}" \
+  --init-from "${INIT:?set INIT to an HF ELECTRA-base checkpoint: a folder with generator/ and discriminator/}" \
+  --deepspeed_config "${CONFIG:-$(recipe electra_base_continued)}" \
   --train-data "${DATA:?set DATA to the corpus (files, folder or glob)}" \
-  --output-dir "${OUT:-$REPO/runs/electra-base}" --max-steps "${STEPS:-766000}" \
-  --save-steps 5000 --log-steps 100 --hc "${HC:-none}" --sr "${SR:-none}" "$@"
+  --output-dir "$OUTPUT" --max-steps "${STEPS:-200000}" --save-steps 5000 --keep-checkpoints "${KEEP:-3}" \
+  --log-steps 100 --hc "${HC:-none}" --sr "${SR:-none}" "$@"

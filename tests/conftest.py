@@ -114,7 +114,8 @@ def train_args(case: str, out: Path, corpus: Path) -> list[str]:
     model, config, extra = CASES[case]
     return [*extra, "--model", model, "--deepspeed_config", str(REPO / "ds_configs" / config), "--train-data", str(corpus),
             "--seq-len", "64", "--micro-batch-size", "4", "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS),
-            "--log-steps", "1", "--output-dir", str(out), "--hc", "wordnet", "--sr", "word", "--lr", "2e-3"]
+            "--log-steps", "1", "--output-dir", str(out), "--hc", "wordnet", "--sr", "word", "--lr", "2e-3",
+            "--keep-checkpoints", "2"]
 
 
 @pytest.fixture(scope="session")
@@ -136,3 +137,11 @@ def comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
+
+
+def model_inputs(inputs, labels, original, max_predictions: int | None = None) -> dict:
+    """The pre-trainers' keyword inputs for an HF-style (inputs, labels, original) batch."""
+    from truneg.masking import positions_from_labels
+
+    positions, valid = positions_from_labels(labels, max_predictions)
+    return {"input_ids": inputs, "original_ids": original, "masked_positions": positions, "masked_valid": valid}

@@ -1,15 +1,14 @@
-"""Corpus packing and caching, the resumable sampler, and the masking schemes of DESIGN.md."""
+"""Corpus packing and caching, the resumable sampler, and and the corpus cache (masking: test_masking.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from truneg.data import (
-    MaskedBatches,
+    PreparedBlocks,
     ResumableSampler,
     build_blocks,
     load_tokenizer,
-    mask_tokens,
     open_blocks,
     pack_blocks,
 )
@@ -33,12 +32,13 @@ def test_build_blocks_tokenizes_documents_and_caches(tmp_path, tokenizer):
     corpus.write_text("the primary school\nwas closed today\n\nanother document begins here\n")
     path = build_blocks(str(corpus), tokenizer, seq_len=6, cache_dir=tmp_path / "cache", num_proc=1)
     blocks = open_blocks(path)
-    assert isinstance(blocks, np.memmap)
+    assert isinstance(blocks, PreparedBlocks)
     expected = tokenizer("the primary school")["input_ids"][1:-1] + tokenizer("was closed today")["input_ids"][1:-1]
     expected += [tokenizer.sep_token_id] + tokenizer("another document begins here")["input_ids"][1:-1]
     assert blocks[:, 1:-1].reshape(-1).tolist() == expected[: blocks.shape[0] * 4]
-    mtime = path.stat().st_mtime_ns
-    assert build_blocks(str(corpus), tokenizer, 6, tmp_path / "cache", 1) == path and path.stat().st_mtime_ns == mtime
+    mtime = (path / "index.json").stat().st_mtime_ns
+    assert build_blocks(str(corpus), tokenizer, 6, tmp_path / "cache", 1) == path
+    assert (path / "index.json").stat().st_mtime_ns == mtime, "a prepared corpus is reused, not prepared again"
     assert build_blocks(str(corpus), tokenizer, 8, tmp_path / "cache", 1) != path  # seq-len changes the key
     corpus.write_text("a different corpus with other words in it entirely\n")
     assert build_blocks(str(corpus), tokenizer, 6, tmp_path / "cache", 1) != path  # content changes the key
@@ -60,33 +60,6 @@ def test_missing_and_empty_corpus_are_clear_errors(tmp_path, tokenizer):
         build_blocks(str(tmp_path / "empty.txt"), tokenizer, 8, tmp_path / "cache", 1)
 
 
-@pytest.mark.parametrize("scheme,mask_share,random_share", [("bert", 0.8, 0.1), ("electra", 0.85, 0.0)])
-def test_masking_shares(tokenizer, scheme, mask_share, random_share):
-    rows = np.random.default_rng(0).integers(1000, 30000, (400, 128))
-    rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
-    ids, labels = mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme,
-                              seed=1, epoch=0, indices=np.arange(400))
-    ids, labels = ids.numpy(), labels.numpy()
-    selected = labels != -100
-    assert not selected[:, [0, -1]].any(), "special tokens are never selected"
-    assert abs(selected[:, 1:-1].mean() - 0.15) < 0.005
-    assert (labels[selected] == rows[selected]).all() and (ids[~selected] == rows[~selected]).all()
-    masked = ids[selected] == tokenizer.mask_token_id
-    unchanged = ids[selected] == rows[selected]
-    assert abs(masked.mean() - mask_share) < 0.015
-    assert abs((~masked & ~unchanged).mean() - random_share) < 0.01
-
-
-def test_masking_is_a_pure_function_of_seed_epoch_index(tokenizer):
-    rows = np.random.default_rng(0).integers(1000, 30000, (4, 64))
-    args = (tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), "bert")
-    a = mask_tokens(rows, *args, seed=3, epoch=0, indices=np.array([5, 6, 7, 8]))[1]
-    b = mask_tokens(rows[::-1], *args, seed=3, epoch=0, indices=np.array([8, 7, 6, 5]))[1]
-    assert (a.numpy() == b.numpy()[::-1]).all(), "a sequence's mask does not depend on its batch position"
-    c = mask_tokens(rows, *args, seed=3, epoch=1, indices=np.array([5, 6, 7, 8]))[1]
-    assert not (a == c).all(), "a new epoch draws new masks"
-
-
 def test_sampler_resumes_and_is_independent_of_world_size():
     def take(sampler, n):
         it = iter(sampler)
@@ -105,15 +78,6 @@ def test_sampler_resumes_and_is_independent_of_world_size():
     assert merged == [i.tolist() for _, i in full[:12]]
     with pytest.raises(UserError, match="fewer than one micro-batch"):
         ResumableSampler(3, 2, 2, 0, seed=0)
-
-
-def test_masked_batches_keep_originals(tokenizer):
-    blocks = np.random.default_rng(0).integers(1000, 30000, (20, 16)).astype(np.int32)
-    batches = MaskedBatches(blocks, ResumableSampler(20, 4, 1, 0, 0), tokenizer, "electra", seed=0)
-    batch = next(batches)
-    assert set(batch) == {"input_ids", "attention_mask", "labels", "original_ids"}
-    selected = batch["labels"] != -100
-    assert (batch["original_ids"][selected] == batch["labels"][selected]).all()
 
 
 def test_hf_dataset_with_a_named_text_column(tmp_path, tokenizer):

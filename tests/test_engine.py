@@ -30,16 +30,22 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs):
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
     for key in ("loss", "gen_loss", "disc_loss", "sr_loss", "lr", "samples_per_sec", "tokens_per_sec",
-                "hc_iter_ratio", "hc_pred_ratio", "hc_corrected", "disc_accuracy"):
+                "hc_iter_ratio", "hc_pred_ratio", "hc_corrected", "disc_accuracy", "mlm_accuracy",
+                "mlm_argmax_accuracy", "mlm_sampled_accuracy", "nonfinite_steps", "skipped_steps"):
         assert key in records[-1], key
     first, last = sum(r["loss"] for r in records[:4]) / 4, sum(r["loss"] for r in records[-4:]) / 4
     assert last < first * 0.9, (first, last)
     assert records[-1]["samples"] == MAX_STEPS * 4 * 2  # two ranks really trained
     tags = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert tags == ["global_step16", "global_step24", "global_step8", "hf_config", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    # --keep-checkpoints 2: global_step8 went once global_step24 was complete
+    assert tags == ["global_step16", "global_step24", "hf_config", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
     shards = sorted(p.name for p in (out / "checkpoints" / "global_step24").iterdir())
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in shards and "truneg_rank00001.pt" in shards
     assert "tensorboard --logdir" in proc.stdout
+    # the console line: step out of the total, loss, lr, samples/s, ETA, and HC's ratios
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(f"step {MAX_STEPS}/{MAX_STEPS} "))
+    for field in ("loss ", "lr ", "samples/s", "ETA ", "hc_iter_ratio ", "hc_pred_ratio "):
+        assert field in line, line
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -52,10 +58,18 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs):
 
 @pytest.mark.parametrize("case", ["bert-zero2", "electra-zero2", "bert-zero3", "electra-zero3"])
 def test_kill_9_then_resume_gives_bitwise_equal_losses(case, runs, tmp_path, launch_env, small_corpus):
-    reference_dir, _ = runs(case)
+    reference_dir, _ = runs(case)  # on the raw text file
     reference = comparable(read_metrics(reference_dir))
     out = tmp_path / "run"
-    cmd_args = train_args(case, out, small_corpus)
+    corpus = small_corpus
+    if case == "electra-zero2":  # a folder `truneg prepare` wrote: the same losses as on the raw file
+        corpus = tmp_path / "prepared"
+        proc = subprocess.run([sys.executable, "-m", "truneg.cli", "prepare", "--train-data", str(small_corpus),
+                               "--seq-len", "64", "--out", str(corpus)], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    cmd_args = train_args(case, out, corpus)
+    if case == "bert-zero2":  # masking in a background DataLoader worker: the same losses as the inline reference
+        cmd_args += ["--data-workers", "1"]
     killed_port, resumed_port = free_port(), free_port()
     proc = start(deepspeed_cmd(*cmd_args, port=killed_port), launch_env)
     latest = out / "checkpoints" / "latest"
@@ -100,6 +114,28 @@ def test_export_round_trip_bert(runs, tmp_path):
     assert len(AutoTokenizer.from_pretrained(exported)) == 30522 and (exported / "vocab.txt").is_file()
 
 
+def test_export_writes_the_runs_own_tokenizer(runs, tmp_path):
+    """The tokenizer saved beside the run's configs, not bert-base-uncased's, goes with the weights."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from truneg.export import TOKENIZER_DIR, export
+
+    out, _ = runs("bert-zero2")
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(out / "checkpoints", copy)
+    saved = copy / "hf_config" / TOKENIZER_DIR
+    assert (saved / "vocab.txt").read_text() == (REPO / "truneg" / "assets" / "vocab" / "vocab.txt").read_text()
+    vocab = (saved / "vocab.txt").read_text().splitlines()
+    vocab[2000], vocab[2001] = vocab[2001], vocab[2000]  # another vocab of the same size
+    (saved / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (saved / "tokenizer.json").unlink()
+    written = export(copy, tmp_path / "hf")
+    exported = AutoTokenizer.from_pretrained(written["mlm"])
+    assert exported.convert_ids_to_tokens([2000, 2001]) == [vocab[2000], vocab[2001]]
+
+
 def test_export_round_trip_electra_zero3(runs, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import ElectraForMaskedLM, ElectraForPreTraining
@@ -136,11 +172,14 @@ def test_every_ds_config_is_valid_for_deepspeed():
         config = DeepSpeedConfig(prepare_config(path, 1, 1000, Path("/tmp/unused")))
         raw = json.loads(path.read_text())
         assert config.train_batch_size == config.train_micro_batch_size_per_gpu * config.gradient_accumulation_steps
+        stage = config.zero_optimization_stage
+        assert path.stem.endswith(f"zero{stage}")  # the file name says its ZeRO stage
         if "v100" in path.name:
             assert config.float16_config.enabled and config.float16_config.loss_scale == 0  # dynamic scaling
-            assert raw["optimizer"]["type"] in ("Lamb", "Adam") and config.zero_optimization_stage == 2
-        if "bf16" in path.name:
-            assert config.bfloat16_config.enabled and config.zero_optimization_stage == 3
+            # LAMB only unpartitioned (ZeRO-0): DeepSpeed's ZeRO does not support FusedLamb
+            assert (raw["optimizer"]["type"], stage) in (("Lamb", 0), ("AdamW", 2))
+        if "bf16" in path.name:  # ZeRO-2 by default, ZeRO-3 kept for who needs it; fp32 gradient accumulation
+            assert config.bfloat16_config.enabled and stage in (2, 3) and config.grad_accum_dtype == "fp32"
         if path.name.startswith("cpu"):
             assert raw["optimizer"]["params"]["torch_adam"] is True
         assert config.gradient_clipping > 0 and raw["scheduler"]["params"]["total_num_steps"] == "auto"

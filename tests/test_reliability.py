@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -42,7 +43,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus):
+def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monkeypatch, capsys):
     from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymTable
 
     (tmp_path / "empty.txt").write_text("")
@@ -64,43 +65,56 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus):
     (broken_ckpt / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"\x00garbage")
 
     base = ["--model", "bert-tiny", "--train-data", str(small_corpus), "--seq-len", "64", "--max-steps", "2"]
-    cases = {
+    # Checked before any process group exists (shared with `truneg preflight`): tested in this process.
+    before_processes = {
         "missing corpus": (["--train-data", str(tmp_path / "nope")], "no text files found"),
         "empty corpus": (["--train-data", str(tmp_path / "empty.txt")], "is empty"),
         "unknown preset": (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
         "seq-len too long": (["--seq-len", "1024"], "beyond the model's 512 positions"),
         "malformed config": (["--deepspeed_config", str(tmp_path / "broken.json")], "is not valid JSON (line 1"),
-        "batch sizes": (["--deepspeed_config", str(tmp_path / "batch.json")], "train_batch_size 10 != micro batch 4"),
+        "batch sizes": (["--deepspeed_config", str(tmp_path / "batch.json")], "train_batch_size 10 does not split over 4"),
         "fp16 on cpu": (["--deepspeed_config", str(tmp_path / "fp16.json")], "fp16"),
         "table for another vocab": (["--hc", str(tmp_path / "other_vocab.npz")], "built for vocab sha256"),
         "truncated table": (["--hc", str(tmp_path / "truncated.npz")], "corrupt or truncated"),
-        "another run's folder": (["--output-dir", str(other_run)], "holds another run's checkpoints"),
-        "unreadable checkpoint": (["--resume", str(broken_ckpt)], "cannot read checkpoint"),
+        "stale build lock": ([], "delete it if no build is running"),
     }
     # A lock that a process killed while loading DeepSpeed's JIT-built comm op left behind.
     stale_lock = tmp_path / "torch_extensions" / "deepspeed_shm_comm" / "lock"
     stale_lock.parent.mkdir(parents=True)
     stale_lock.touch()
     os.utime(stale_lock, (time.time() - 3600, time.time() - 3600))
-    envs = {"stale build lock": {**launch_env, "TORCH_EXTENSIONS_DIR": str(stale_lock.parent.parent)}}
-    cases["stale build lock"] = ([], "delete it if no build is running")
 
-    def launch(name: str) -> subprocess.Popen:
-        extra = cases[name][0]
-        out = ["--output-dir", str(tmp_path / f"out_{name.replace(' ', '_')}")] if "--output-dir" not in extra else []
-        return subprocess.Popen(pretrain_cmd(*base, *extra, *out), env=envs.get(name, launch_env), cwd=REPO,
-                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    from truneg.errors import exit_on_user_error
+    from truneg.pretrain import checked_start
 
-    # Four at a time: each process imports torch, DeepSpeed and transformers (~1 GB), and CI has 24 GiB.
-    pending = list(cases)
-    while pending:
-        batch, pending = pending[:4], pending[4:]
-        procs = {name: launch(name) for name in batch}
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=300)
-            assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), cases[name][1])
-    assert snapshot(other_run) == before, "a refused run must not touch the folder"
+    for name, (extra, expected) in before_processes.items():
+        out = ["--output-dir", str(tmp_path / f"out_{name.replace(' ', '_')}")]
+        with monkeypatch.context() as patch:
+            patch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))
+            if name == "stale build lock":
+                patch.setenv("TORCH_EXTENSIONS_DIR", str(stale_lock.parent.parent))
+            if name == "batch sizes":
+                patch.setenv("WORLD_SIZE", "4")  # as the launcher sets it: 10 does not split over 4 ranks
+            with pytest.raises(SystemExit) as exited:
+                exit_on_user_error(checked_start)([*base, *extra, *out])
+        err = capsys.readouterr().err
+        assert_one_line_error(subprocess.CompletedProcess([], exited.value.code, "", err), expected)
     assert stale_lock.exists(), "truneg must not delete a lock that a running build may hold"
+
+    # Found once the processes run: one real launch each, both at once.
+    after_processes = {
+        "another run's folder": (["--output-dir", str(other_run)], "holds another run's checkpoints"),
+        "unreadable checkpoint": (["--resume", str(broken_ckpt), "--output-dir", str(tmp_path / "out_broken")],
+                                  "cannot read checkpoint"),
+    }
+    procs = {name: subprocess.Popen(pretrain_cmd(*base, *extra), env=launch_env, cwd=REPO, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, (extra, _) in after_processes.items()}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+                              after_processes[name][1])
+    assert snapshot(other_run) == before, "a refused run must not touch the folder"
 
 
 def test_hostfile_errors_stop_the_launch_scripts(tmp_path, launch_env):
@@ -115,21 +129,27 @@ def test_hostfile_errors_stop_the_launch_scripts(tmp_path, launch_env):
                                              text=True), expected)
 
 
-def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path, launch_env, small_corpus):
+def test_non_finite_losses_skip_their_step_then_stop_the_run(tmp_path, launch_env, small_corpus):
+    """Step 3's loss is NaN (injected): that update is skipped, counted, and training goes on with finite
+    losses. Steps 6-8 are NaN too: three in a row stop the run, with `latest` at the last good step. ZeRO-3
+    in fp32, where DeepSpeed itself would apply the NaN gradients."""
     out = tmp_path / "nan"
+    env = {**launch_env, "TRUNEG_INJECT_NONFINITE_STEPS": "3,6,7,8"}
     proc = subprocess.run(pretrain_cmd("--model", "bert-tiny", "--train-data", str(small_corpus), "--seq-len", "64",
-                                       "--micro-batch-size", "2", "--max-steps", "20", "--save-steps", "1",
-                                       "--log-steps", "1", "--lr", "1e30", "--max-nonfinite-steps", "3",
-                                       "--output-dir", str(out)),
-                          env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert_one_line_error(proc, "3 non-finite losses in a row")
-    latest = (out / "checkpoints" / "latest").read_text()
-    assert f"last good checkpoint ({latest})" in proc.stderr
-    good_step = int(latest.replace("global_step", ""))
-    assert good_step >= 1 and (out / "checkpoints" / latest / "mp_rank_00_model_states.pt").is_file()
-    records = read_metrics(out)
-    assert [r["step"] for r in records] == list(range(1, good_step + 1))
-    assert all(r["nonfinite_steps"] == 0 for r in records)  # the skipped micro-batches came after the last log
+                                       "--micro-batch-size", "2", "--gradient-accumulation-steps", "2",
+                                       "--max-steps", "20", "--save-steps", "1", "--log-steps", "1",
+                                       "--max-nonfinite-steps", "3", "--output-dir", str(out),
+                                       "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero3.json")),
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc, "3 non-finite losses in a row at step 8")
+    assert "last good checkpoint (global_step5)" in proc.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "global_step5"
+    assert not (out / "checkpoints" / "global_step6").exists(), "no checkpoint inside a run of skipped steps"
+    records = {r["step"]: r for r in read_metrics(out)}
+    assert [records[s]["nonfinite_steps"] for s in range(1, 6)] == [0, 0, 1, 0, 0]
+    assert "loss" not in records[3], "a skipped step has no loss to show"
+    assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5)), "the NaN step left the weights finite"
+    assert records[4]["loss"] < records[1]["loss"] + 1.0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -223,10 +243,17 @@ def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launc
     out = tmp_path / "two_nodes"
     args = train_args("bert-zero2", out, small_corpus)
 
-    def launch_nodes(port: int):
+    def launch_nodes(port: int, node_args=(args, args)):
         return [start([str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
                        f"--node_rank={node}", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                       str(REPO / "truneg" / "pretrain.py"), *args], launch_env) for node in (0, 1)]
+                       str(REPO / "truneg" / "pretrain.py"), *node_args[node]], launch_env) for node in (0, 1)]
+
+    # Node 1 with an output folder of its own (node-local storage): every rank stops with one line.
+    nodes = launch_nodes(free_port(), (args, train_args("bert-zero2", tmp_path / "node_local", small_corpus)))
+    outputs = [proc.communicate(timeout=300)[0] for proc in nodes]
+    for output in outputs:
+        assert "ranks do not see" in output and "must be one folder every node shares" in output, output[-2000:]
+    assert not (out / "checkpoints").exists()
 
     nodes = launch_nodes(free_port())
     try:

@@ -26,6 +26,12 @@ def shipped(tokens) -> SynonymTable:
     return SynonymTable.load(SHIPPED_WORDNET_TABLE, expect_tokens=tokens)
 
 
+@pytest.fixture(scope="module")
+def exact(tokens) -> SynonymTable:
+    """The table of `truneg synonyms build --exact`: no lemmatisation."""
+    return synonyms.build_from_wordnet(tokens, morphy=False)
+
+
 def nltk_reference(tokens, morphy: bool) -> dict[str, set[str]]:
     """Slow reference through nltk's Synset objects: lemma_names of the word's synsets."""
     wn = load_wordnet()
@@ -65,22 +71,36 @@ def test_rows_hold_only_whole_words_and_never_the_word_itself(shipped):
         assert np.all(np.diff(shipped.indices[start:end]) > 0), "rows must be sorted and unique"
 
 
-def test_exact_table_is_symmetric(shipped):
-    keys = set(shipped.keys().tolist())
-    vocab = shipped.vocab_size
-    assert all((k % vocab) * vocab + k // vocab in keys for k in keys)
+def test_exact_table_is_symmetric_and_the_default_is_not(exact, shipped):
+    for table, symmetric in ((exact, True), (shipped, False)):
+        keys = set(table.keys().tolist())
+        vocab = table.vocab_size
+        assert all((k % vocab) * vocab + k // vocab in keys for k in keys) is symmetric
+    # an inflection gets its lemma as a synonym, not the reverse
+    assert "run" in shipped.synonyms_of("ran") and "ran" not in shipped.synonyms_of("run")
 
 
-def test_exact_table_equals_nltk_synsets_and_size_matches_design(tokens, shipped):
-    assert table_as_sets(shipped) == nltk_reference(tokens, morphy=False)
-    assert 7_500 < shipped.num_rows_with_synonyms < 8_500 and 26_000 < shipped.num_entries < 29_000
+def test_exact_table_equals_nltk_synsets_and_size_matches_design(tokens, exact):
+    assert table_as_sets(exact) == nltk_reference(tokens, morphy=False)
+    assert 7_500 < exact.num_rows_with_synonyms < 8_500 and 26_000 < exact.num_entries < 29_000
 
 
-def test_morphy_table_equals_wn_synsets(tokens):
-    table = synonyms.build_from_wordnet(tokens, morphy=True)
-    assert table_as_sets(table) == nltk_reference(tokens, morphy=True)
-    assert "run" in table.synonyms_of("runs")
-    assert table.num_rows_with_synonyms > 1.5 * 8_000
+def test_default_table_equals_wn_synsets(tokens, shipped, exact):
+    assert table_as_sets(shipped) == nltk_reference(tokens, morphy=True)
+    assert shipped.num_rows_with_synonyms > 1.5 * exact.num_rows_with_synonyms
+
+
+@pytest.mark.parametrize("word, lemma", [("ran", "run"), ("stayed", "stay"), ("houses", "house"),
+                                         ("children", "child"), ("better", "good"), ("mice", "mouse")])
+def test_inflected_words_get_exactly_what_wn_synsets_gives(shipped, exact, word, lemma):
+    # the reference is nltk's public API itself, imported as a user would, not truneg's reader
+    from nltk.corpus import wordnet as wn
+
+    vocab = set(shipped.tokens)
+    expected = {n.lower() for s in wn.synsets(word) for n in s.lemma_names() if "_" not in n} & vocab - {word}
+    got = set(shipped.synonyms_of(word))
+    assert got == {w for w in expected if synonyms.WHOLE_WORD.fullmatch(w)}
+    assert lemma in got and lemma not in exact.synonyms_of(word)
 
 
 def test_rebuilding_the_shipped_table_gives_identical_arrays(tokens, shipped):
@@ -88,7 +108,64 @@ def test_rebuilding_the_shipped_table_gives_identical_arrays(tokens, shipped):
     np.testing.assert_array_equal(rebuilt.indptr, shipped.indptr)
     np.testing.assert_array_equal(rebuilt.indices, shipped.indices)
     assert shipped.indptr.dtype == np.int64 and shipped.indices.dtype == np.int32
-    assert shipped.source == "wordnet" and shipped.options["morphy"] is False
+    assert shipped.source == "wordnet" and shipped.options["morphy"] is True
+    assert rebuilt.content_sha256 == shipped.content_sha256
+
+
+def test_content_hash_is_stable_and_sees_every_entry(tmp_path, shipped):
+    path = tmp_path / "copy.npz"
+    SynonymTable(shipped.indptr, shipped.indices, shipped.tokens, "tsv", {"other": 1}).save(path)
+    assert SynonymTable.load(path).content_sha256 == shipped.content_sha256  # container, source, options: no
+    assert len(shipped.content_sha256) == 64 and int(shipped.content_sha256, 16) >= 0
+    changed = shipped.indices.copy()
+    changed[-1] -= 1  # still sorted and unique: a real, valid, different table
+    assert SynonymTable(shipped.indptr, changed, shipped.tokens, "wordnet").content_sha256 != shipped.content_sha256
+    renamed = shipped.tokens[:-1] + ["zzzz"]
+    assert SynonymTable(shipped.indptr, shipped.indices, renamed, "wordnet").content_sha256 != shipped.content_sha256
+
+
+def write_raw_table(path, indptr, indices, tokens):
+    np.savez(path, indptr=indptr, indices=indices, source=np.array("tsv"), options=np.array("{}"),
+             vocab=np.frombuffer("\n".join(tokens).encode(), dtype=np.uint8),
+             vocab_sha256=np.array(synonyms.vocab_sha256(tokens)))
+
+
+BAD_TABLES = {
+    # name: (indptr, indices, what the one-line error must say); vocab: [PAD] big large huge
+    "unsorted row": ([0, 0, 2, 2, 2], [3, 2], "row 1 ('big') is not sorted and unique"),
+    "duplicate in row": ([0, 0, 0, 2, 2], [1, 1], "row 2 ('large') is not sorted and unique"),
+    "self pair": ([0, 0, 2, 2, 2], [1, 2], "row 1 ('big') lists the word as its own synonym"),
+    "float indptr": (np.array([0, 0, 1, 1, 1], dtype=np.float64), [2], "indptr is float64 [5], expected int64 [5]"),
+    "short indptr": ([0, 0, 1, 1], [2], "indptr is int64 [4], expected int64 [5]"),
+    "int64 indices": ([0, 0, 1, 1, 1], np.array([2], dtype=np.int64), "indices is int64 [1], expected a 1-D int32"),
+    "2-D indices": ([0, 0, 1, 1, 1], np.array([[2]], dtype=np.int32), "expected a 1-D int32"),
+    "index out of vocab": ([0, 0, 1, 1, 1], [4], "indices must lie in [0, 4)"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_TABLES))
+def test_load_refuses_a_malformed_csr_with_one_clear_error(tmp_path, name):
+    indptr, indices, message = BAD_TABLES[name]
+    indptr = np.asarray(indptr, dtype=getattr(indptr, "dtype", np.int64))
+    indices = np.asarray(indices, dtype=getattr(indices, "dtype", np.int32))
+    write_raw_table(tmp_path / "bad.npz", indptr, indices, ["[PAD]", "big", "large", "huge"])
+    with pytest.raises(UserError) as err:
+        SynonymTable.load(tmp_path / "bad.npz")
+    assert message in str(err.value) and "\n" not in str(err.value) and "rebuild it" in str(err.value)
+
+
+def test_lookup_refuses_ids_outside_the_table_vocab(shipped):
+    vocab = shipped.vocab_size
+    keys = torch.from_numpy(shipped.keys())
+    rows, cols = keys // vocab, keys % vocab
+    # for each real pair (g + 1, k): (g, V + k) would read as that pair's key without the bound
+    gold, pred = rows[rows > 0] - 1, cols[rows > 0] + vocab
+    lookup = SynonymLookup(shipped)
+    assert not lookup.is_synonym(gold, pred).any()
+    # and the other side: gold = V + g with pred k aliases row g + 1... as key (V + g) * V + k; negatives too
+    assert not lookup.is_synonym(rows + vocab, cols).any()
+    assert not lookup.is_synonym(rows - vocab, cols).any() and not lookup.is_synonym(rows, cols - vocab).any()
+    assert lookup.is_synonym(rows, cols).all()  # the real pairs still are
 
 
 def test_lookup_agrees_with_python_sets_on_random_and_real_pairs(shipped):
@@ -99,6 +176,7 @@ def test_lookup_agrees_with_python_sets_on_random_and_real_pairs(shipped):
     random_pairs = torch.randint(0, vocab, (100_000, 2), generator=gen)
     swapped = real_pairs[:, [0, 0]]  # the word with itself: never a synonym
     pairs = torch.cat([real_pairs, random_pairs, swapped])
+    pairs = pairs[: len(pairs) // 7 * 7]  # reshaped to [-1, 7] below: the lookup keeps any shape
     reference = {(int(a), int(b)) for a, b in real_pairs}
     expected = torch.tensor([(int(a), int(b)) in reference for a, b in pairs])
     lookup = SynonymLookup(shipped)
@@ -184,3 +262,8 @@ def test_cli_show_and_vocab_refusal(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "rebuild the table" in proc.stderr and "Traceback" not in proc.stderr
+    write_raw_table(tmp_path / "unsorted.npz", np.array([0, 0, 2, 2], dtype=np.int64), np.array([2, 1], dtype=np.int32),
+                    ["[PAD]", "big", "large"])
+    proc = subprocess.run(truneg + ["synonyms", "show", str(tmp_path / "unsorted.npz"), "big"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("truneg: error: synonym table") and "not sorted and unique" in proc.stderr

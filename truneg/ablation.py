@@ -58,6 +58,7 @@ def format_table(scores: dict[str, dict[str, float]], tasks: list[str]) -> str:
 
 
 def run_ablation(args) -> dict:
+    from truneg.checkpoint import latest_tag
     from truneg.export import export
     from truneg.glue import TASKS, finetune
 
@@ -73,7 +74,7 @@ def run_ablation(args) -> dict:
     scores: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
         run_dir = out / variant.replace("+", "_")
-        if not (run_dir / "checkpoints" / "latest").is_file():
+        if latest_tag(run_dir / "checkpoints") is None:
             pretrain(variant, args, run_dir)
         export(run_dir / "checkpoints", run_dir / "hf")
         scores[variant] = {}

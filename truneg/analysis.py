@@ -5,11 +5,17 @@ fixed seed; a masked position is a false negative when the prediction differs fr
 is its synonym (the HC test). Reported per checkpoint:
 - iteration level: the share of sequences with at least one false negative;
 - prediction level: the share of mismatched predictions that are false negatives.
+
+What a "sequence" is moves the iteration-level ratio (more masked positions, more chances), so the
+segmentation and the length are recorded with every row: `packed` blocks cut the token stream across
+lines and articles (as pre-training does here); `line` and `article` sequences never cross a line or
+an article (a long one becomes several sequences) and are padded with [PAD].
 """
 from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,13 +24,19 @@ import torch
 
 from truneg.errors import UserError
 
-CSV_COLUMNS = ["checkpoint", "step", "sequences", "masked", "mismatched", "corrected", "iter_ratio", "pred_ratio"]
+CSV_COLUMNS = ["checkpoint", "step", "segmentation", "seq_len", "sequences", "masked", "mismatched", "corrected",
+               "iter_ratio", "pred_ratio"]
+SEGMENTATIONS = ("packed", "line", "article")
+# WikiText's article titles are ` = Title = ` lines; sections are ` = = Section = = `.
+WIKITEXT_TITLE = re.compile(r"^\s*= [^=](.*[^=])? =\s*$")
 
 
 @dataclass
 class FnCounts:
     checkpoint: str
     step: int
+    segmentation: str = "packed"
+    seq_len: int = 0
     sequences: int = 0
     masked: int = 0
     mismatched: int = 0
@@ -52,17 +64,69 @@ class Case:
     synonyms: list[str] = field(default_factory=list)
 
 
-def count_false_negatives(gold: torch.Tensor, pred: torch.Tensor, corrected: torch.Tensor, masked: torch.Tensor) -> dict:
-    """Counts over one batch. gold/pred/corrected are 1-D over the masked positions of `masked` [B, L]."""
-    per_sequence = torch.zeros_like(masked)
-    per_sequence[masked] = corrected
-    return {
-        "sequences": masked.shape[0],
-        "masked": int(masked.sum()),
-        "mismatched": int((pred != gold).sum()),
-        "corrected": int(corrected.sum()),
-        "sequences_corrected": int(per_sequence.any(dim=1).sum()),
-    }
+# ---------------------------------------------------------------------------------------------------
+# Segmentation
+# ---------------------------------------------------------------------------------------------------
+
+
+def text_segments(files: list[Path], segmentation: str) -> list[str]:
+    """The texts no sequence may cross: each non-blank line, or each article.
+
+    An article ends at the end of a file or where a WikiText article title (` = Title = `) begins;
+    a text without such titles is one article per file.
+    """
+    segments: list[str] = []
+    for path in files:
+        article: list[str] = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if segmentation == "line":
+                segments += [line] if line.strip() else []
+                continue
+            if WIKITEXT_TITLE.match(line) and article:
+                segments.append("\n".join(article))
+                article = []
+            if line.strip():
+                article.append(line)
+        if article:
+            segments.append("\n".join(article))
+    return segments
+
+
+def segment_sequences(segments: list[str], tokenizer, seq_len: int) -> np.ndarray:
+    """[n, seq_len] int32: each segment's tokens in consecutive [CLS] .. [SEP] sequences, [PAD] after."""
+    body = seq_len - 2
+    encoded = tokenizer(segments, add_special_tokens=False, return_attention_mask=False,
+                        return_token_type_ids=False, verbose=False)["input_ids"]
+    pieces = [ids[start:start + body] for ids in encoded for start in range(0, len(ids), body)]
+    sequences = np.full((len(pieces), seq_len), tokenizer.pad_token_id, dtype=np.int32)
+    for row, piece in enumerate(pieces):
+        sequences[row, 0] = tokenizer.cls_token_id
+        sequences[row, 1:len(piece) + 1] = piece
+        sequences[row, len(piece) + 1] = tokenizer.sep_token_id
+    return sequences
+
+
+def open_sequences(data: list[str], tokenizer, seq_len: int, segmentation: str) -> np.ndarray:
+    """The sequences fn-stats / fn-cases run over, for --segmentation packed | line | article."""
+    from truneg.corpus import is_hf, resolve_text_files
+    from truneg.data import build_blocks, open_blocks
+
+    if seq_len < 8:
+        raise UserError(f"--seq-len {seq_len} is too short; use 128 or 512 (at least 8)")
+    if segmentation == "packed":
+        return open_blocks(build_blocks(data, tokenizer, seq_len))
+    if any(is_hf(spec) for spec in data):
+        raise UserError(f"--segmentation {segmentation} reads text files; pass files, or use --segmentation packed "
+                        "for an hf: dataset")
+    sequences = segment_sequences(text_segments(resolve_text_files(data), segmentation), tokenizer, seq_len)
+    if len(sequences) == 0:
+        raise UserError(f"{', '.join(data)} holds no text to segment; give it some text")
+    return sequences
+
+
+def attention_mask_of(original: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """1 on real tokens, 0 on the [PAD] that ends a line or article sequence (packed blocks have none)."""
+    return (original != pad_id).long()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -78,12 +142,10 @@ class CheckpointRef:
     kind: str  # "hf" (a from_pretrained folder) or "truneg" (a tag of a truneg checkpoints folder)
 
 
-def _tag_step(name: str) -> int:
-    return int(name.removeprefix("global_step")) if name.removeprefix("global_step").isdigit() else -1
-
-
 def discover_checkpoints(paths: list[str | Path]) -> list[CheckpointRef]:
     """Each PATH: a truneg checkpoints folder (all its tags), one tag, or an exported HF MLM/generator."""
+    from truneg import checkpoint
+
     found: list[CheckpointRef] = []
     for raw in paths:
         path = Path(raw)
@@ -91,16 +153,14 @@ def discover_checkpoints(paths: list[str | Path]) -> list[CheckpointRef]:
             found.append(CheckpointRef(str(path), -1, path / "generator", "hf"))
         elif (path / "config.json").is_file():
             found.append(CheckpointRef(str(path), -1, path, "hf"))
-        elif (path / "checkpoints" / "latest").is_file() or (path / "latest").is_file():
-            folder = path / "checkpoints" if (path / "checkpoints" / "latest").is_file() else path
-            tags = sorted((p for p in folder.glob("global_step*") if p.is_dir() and _tag_step(p.name) >= 0),
-                          key=lambda p: _tag_step(p.name))
-            found.extend(CheckpointRef(f"{folder}/{t.name}", _tag_step(t.name), t, "truneg") for t in tags)
-        elif path.is_dir() and (path.parent / "hf_config").is_dir():
-            found.append(CheckpointRef(str(path), _tag_step(path.name), path, "truneg"))
         else:
-            raise UserError(f"{path} is neither a truneg checkpoints folder, a tag in one, nor an HF model folder "
-                            "(config.json); pass one of those")
+            try:
+                folder, tag = checkpoint.resolve(path)
+            except UserError:
+                raise UserError(f"{path} is neither a truneg checkpoints folder, a tag in one, nor an HF model folder "
+                                "(config.json); pass one of those") from None
+            tags = [tag] if tag else checkpoint.list_tags(folder)
+            found.extend(CheckpointRef(f"{folder}/{t}", checkpoint.step_of_tag(t), folder / t, "truneg") for t in tags)
     return found
 
 
@@ -132,37 +192,40 @@ def evaluate(mlm, blocks: np.ndarray, tokenizer, lookup, prediction: str = "defa
     """Mask each block as training would (seed, epoch 0, block index) and count the HC corrections."""
     from transformers import BertForMaskedLM
 
-    from truneg.data import mask_tokens
+    from truneg.masking import default_max_predictions, mask_tokens
     from truneg.models import bert_masked_logits, generator_masked_logits
-    from truneg.objectives import gumbel_max_sample, hard_correction
+    from truneg.objectives import false_negative_counts, gumbel_max_sample, hard_correction
 
     is_bert = isinstance(mlm, BertForMaskedLM)
     scheme, logits_of = ("bert", bert_masked_logits) if is_bert else ("electra", generator_masked_logits)
+    encoder = mlm.bert if is_bert else mlm.electra
     prediction = ("argmax" if is_bert else "sample") if prediction == "default" else prediction
     counts, cases = FnCounts(label, step), []
     total = len(blocks) if max_sequences is None else min(max_sequences, len(blocks))
+    max_predictions = default_max_predictions(blocks.shape[1])
     torch.manual_seed(seed)
     mlm.eval()
     with torch.no_grad():
         for start in range(0, total, batch_size):
             indices = np.arange(start, min(start + batch_size, total))
             original = np.asarray(blocks[indices], dtype=np.int64)
-            inputs, labels = mask_tokens(original, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
-                                         scheme, seed, 0, indices)
-            masked = labels != -100
-            gold = labels[masked]
-            logits = logits_of(mlm, inputs, torch.ones_like(inputs), masked)
+            batch = mask_tokens(original, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
+                                scheme, seed, 0, indices, max_predictions)
+            positions, valid = batch["masked_positions"], batch["masked_valid"]
+            gold = batch["original_ids"].gather(1, positions)
+            attention_mask = attention_mask_of(batch["original_ids"], tokenizer.pad_token_id)
+            hidden = encoder(input_ids=batch["input_ids"], attention_mask=attention_mask).last_hidden_state
+            logits = logits_of(mlm, hidden, positions)
             pred = logits.argmax(-1) if prediction == "argmax" else gumbel_max_sample(logits)
-            corrected = hard_correction(gold, pred, lookup)
-            for key, value in count_false_negatives(gold, pred, corrected, masked).items():
-                setattr(counts, key, getattr(counts, key) + value)
+            corrected = hard_correction(gold, pred, lookup) & valid
+            for key, value in false_negative_counts(gold, pred, corrected, valid).items():  # the training metric's counter
+                setattr(counts, key, getattr(counts, key) + int(value))
             if len(cases) < max_cases and corrected.any():
-                rows, cols = masked.nonzero(as_tuple=True)
-                for k in corrected.nonzero().flatten().tolist()[: max_cases - len(cases)]:
-                    row, col = int(rows[k]), int(cols[k])
-                    gold_token = tokenizer.convert_ids_to_tokens(int(gold[k]))
-                    cases.append(Case(tokenizer.convert_ids_to_tokens(original[row].tolist()), col, gold_token,
-                                      tokenizer.convert_ids_to_tokens(int(pred[k])),
+                for row, slot in corrected.nonzero().tolist()[: max_cases - len(cases)]:
+                    gold_token = tokenizer.convert_ids_to_tokens(int(gold[row, slot]))
+                    context = original[row][original[row] != tokenizer.pad_token_id]  # a line/article sequence's [PAD] tail
+                    cases.append(Case(tokenizer.convert_ids_to_tokens(context.tolist()), int(positions[row, slot]),
+                                      gold_token, tokenizer.convert_ids_to_tokens(int(pred[row, slot])),
                                       table.synonyms_of(gold_token) if table is not None else []))
     return counts, cases
 
@@ -173,11 +236,12 @@ def evaluate(mlm, blocks: np.ndarray, tokenizer, lookup, prediction: str = "defa
 
 
 def format_table(results: list[FnCounts]) -> str:
-    header = f"{'checkpoint':<48} {'step':>7} {'seqs':>7} {'masked':>8} {'mismatch':>9} {'FN':>6} {'iter %':>7} {'pred %':>7}"
+    header = f"{'checkpoint':<48} {'step':>7} {'segments':>12} {'seqs':>7} {'masked':>8} {'mismatch':>9} {'FN':>6} {'iter %':>7} {'pred %':>7}"
     lines = [header, "-" * len(header)]
     for r in results:
         name = r.checkpoint if len(r.checkpoint) <= 48 else "..." + r.checkpoint[-45:]
-        lines.append(f"{name:<48} {r.step:>7} {r.sequences:>7} {r.masked:>8} {r.mismatched:>9} {r.corrected:>6} "
+        segments = f"{r.segmentation}/{r.seq_len}"
+        lines.append(f"{name:<48} {r.step:>7} {segments:>12} {r.sequences:>7} {r.masked:>8} {r.mismatched:>9} {r.corrected:>6} "
                      f"{100 * r.iter_ratio:>7.2f} {100 * r.pred_ratio:>7.3f}")
     return "\n".join(lines)
 
@@ -202,7 +266,8 @@ def write_stats(results: list[FnCounts], out: Path) -> dict[str, Path]:
     ax.plot(steps, [100 * r.pred_ratio for r in results], "s-", label="prediction level (% mismatches)")
     ax.set_xlabel("training step" if all(r.step >= 0 for r in results) else "checkpoint")
     ax.set_ylabel("false negatives (%)")
-    ax.set_title("False negatives met by the MLM")
+    settings = sorted({f"{r.segmentation}, {r.seq_len} tokens" for r in results})
+    ax.set_title("False negatives met by the MLM" + (f" ({settings[0]})" if len(settings) == 1 else ""))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

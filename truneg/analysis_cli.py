@@ -8,7 +8,11 @@ def _common(parser) -> None:
     parser.add_argument("--data", nargs="+", required=True, help="text files, folders or globs to run the MLM over")
     parser.add_argument("--synonyms", type=Path, help="synonym table (default: the shipped WordNet table)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, [CLS] and [SEP] included")
+    parser.add_argument("--segmentation", choices=["packed", "line", "article"], default="packed",
+                        help="packed: blocks cut across lines and articles, as pre-training packs them; line / "
+                             "article: no sequence crosses a line / an article (WikiText ` = Title = ` or a file), "
+                             "padded. The paper's Table 2 does not say; see the README")
     parser.add_argument("--seed", type=int, default=0, help="masking and sampling seed")
     parser.add_argument("--prediction", choices=["default", "argmax", "sample"], default="default",
                         help="default: argmax for BERT, the generator's sample for ELECTRA (as in training)")
@@ -18,13 +22,14 @@ def _common(parser) -> None:
 
 
 def _prepare(args):
-    from truneg.data import DEFAULT_TOKENIZER, build_blocks, load_tokenizer, open_blocks
+    from truneg.analysis import open_sequences
+    from truneg.data import DEFAULT_TOKENIZER, load_tokenizer
     from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable
 
     tokenizer = load_tokenizer(args.tokenizer or DEFAULT_TOKENIZER)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     table = SynonymTable.load(args.synonyms or SHIPPED_WORDNET_TABLE, expect_tokens=tokens)
-    blocks = open_blocks(build_blocks(args.data, tokenizer, args.seq_len))
+    blocks = open_sequences(args.data, tokenizer, args.seq_len, args.segmentation)
     return tokenizer, table, SynonymLookup(table), blocks
 
 
@@ -37,6 +42,7 @@ def _fn_stats(args) -> None:
     for ref in refs:
         counts, _ = evaluate(load_mlm(ref), blocks, tokenizer, lookup, args.prediction, args.seed, args.batch_size,
                              args.max_sequences, label=ref.label, step=ref.step)
+        counts.segmentation, counts.seq_len = args.segmentation, args.seq_len
         results.append(counts)
         print(f"{ref.label}: {counts.corrected} false negatives", flush=True)
     print(format_table(results))

@@ -1,4 +1,6 @@
-"""Sharded, exactly resumable checkpoints through DeepSpeed's save_checkpoint / load_checkpoint.
+"""Checkpoints: the one place that addresses them (folder, `latest`, tag, step), saves and loads them through
+DeepSpeed's save_checkpoint / load_checkpoint, finds the resume point, keeps the newest N, and loads the
+fp32 weights into HF models (zero_to_fp32) for export and analysis.
 
 DeepSpeed stores the module, the optimizer partitions, the LR scheduler and the step counters. It stores
 no RNG state or data position, and writes `client_state` from rank 0 only, so each rank also writes
@@ -13,6 +15,7 @@ import random
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +28,19 @@ UNIVERSAL_INFO = {"universal_checkpoint_version": 0.2}
 META_FILE = "truneg_meta.json"
 
 
+TAG_PREFIX = "global_step"
+HF_CONFIG_DIR = "hf_config"
+DELETING_SUFFIX = ".deleting"
+
+
 def tag_for_step(step: int) -> str:
-    return f"global_step{step}"
+    return f"{TAG_PREFIX}{step}"
+
+
+def step_of_tag(tag: str) -> int:
+    """`global_step120` -> 120; -1 for a tag of another form."""
+    digits = tag[len(TAG_PREFIX):]
+    return int(digits) if tag.startswith(TAG_PREFIX) and digits.isdigit() else -1
 
 
 def latest_tag(checkpoint_dir: Path) -> str | None:
@@ -35,6 +49,35 @@ def latest_tag(checkpoint_dir: Path) -> str | None:
         return None
     tag = latest.read_text(encoding="utf-8").strip()
     return tag or None
+
+
+def list_tags(checkpoint_dir: Path) -> list[str]:
+    """The step tags of a checkpoints folder, oldest first (universal conversions and deletions excluded)."""
+    if not checkpoint_dir.is_dir():
+        return []
+    tags = [p.name for p in checkpoint_dir.iterdir() if p.is_dir() and step_of_tag(p.name) >= 0]
+    return sorted(tags, key=step_of_tag)
+
+
+def resolve(path: str | Path) -> tuple[Path, str | None]:
+    """A run's output folder, its checkpoints folder, or one tag folder -> (checkpoints folder, tag or None)."""
+    path = Path(path)
+    if (path / "checkpoints" / "latest").is_file():
+        return path / "checkpoints", None
+    if (path / "latest").is_file():
+        return path, None
+    if path.is_dir() and ((path.parent / "latest").is_file() or (path.parent / HF_CONFIG_DIR).is_dir()):
+        return path.parent, path.name
+    raise UserError(f"{path} is not a truneg checkpoint folder (no `latest`); pass <output-dir>/checkpoints or a tag in it")
+
+
+def resolve_tag(path: str | Path) -> tuple[Path, str]:
+    """Like `resolve`, with a folder's `latest` tag filled in."""
+    checkpoint_dir, tag = resolve(path)
+    tag = tag or latest_tag(checkpoint_dir)
+    if tag is None or not (checkpoint_dir / tag).is_dir():
+        raise UserError(f"checkpoint {checkpoint_dir / str(tag)} does not exist; pass a checkpoints folder or a tag in it")
+    return checkpoint_dir, tag
 
 
 def rng_state() -> dict:
@@ -105,6 +148,26 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state
     return tag
 
 
+def remove_old(checkpoint_dir: Path, keep: int) -> list[str]:
+    """Keep the newest `keep` complete checkpoints (rank 0, after `latest` names the newest). A tag is first
+    renamed (atomic) and then deleted, so a kill half-way leaves only a `*.deleting` folder, which the next
+    call clears; `latest` and every kept tag stay whole. Returns the tags removed."""
+    for leftover in checkpoint_dir.glob(f"*{DELETING_SUFFIX}"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep < 1:
+        return []
+    latest = latest_tag(checkpoint_dir)
+    tags = [t for t in list_tags(checkpoint_dir) if latest is None or step_of_tag(t) <= step_of_tag(latest)]
+    removed = [t for t in tags[:-keep] if t != latest]
+    for tag in removed:
+        for folder in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag)):
+            if folder.is_dir():
+                doomed = folder.with_name(folder.name + DELETING_SUFFIX)
+                folder.rename(doomed)
+                shutil.rmtree(doomed)
+    return removed
+
+
 def load(engine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
     """Load `tag`. Returns (client_state, this rank's state, or None if the checkpoint was written by
     another world size)."""
@@ -126,3 +189,75 @@ def load(engine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
     if rank_file.is_file() and client_state.get("world_size") == dist.get_world_size():
         rank_state = torch.load(rank_file, weights_only=False)
     return client_state, rank_state
+
+
+# ---------------------------------------------------------------------------------------------------
+# The resume point
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ResumePoint:
+    checkpoint_dir: Path
+    tag: str
+    saved_world_size: int | None
+
+    def universal(self, world_size: int) -> bool:
+        """Written on another world size: loaded through DeepSpeed's universal checkpoint."""
+        return self.saved_world_size not in (None, world_size)
+
+
+def find_resume_point(resume: str, output_dir: Path) -> ResumePoint | None:
+    """--resume auto | none | DIR -> the checkpoint to continue from (None: start afresh)."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        checkpoint_dir = output_dir / "checkpoints"
+        tag = latest_tag(checkpoint_dir)
+        if tag is None:
+            return None
+        if not (checkpoint_dir / tag).is_dir():
+            raise UserError(f"{checkpoint_dir / 'latest'} names {tag}, which does not exist; pass --resume a tag in "
+                            f"{checkpoint_dir}, or start afresh with --resume none --overwrite")
+    else:
+        if not Path(resume).is_dir():
+            raise UserError(f"--resume {resume}: no such checkpoint folder; pass a checkpoints folder or one of its tags")
+        checkpoint_dir, tag = resolve_tag(resume)
+    return ResumePoint(checkpoint_dir, tag, saved_world_size(checkpoint_dir, tag))
+
+
+def prepare_universal(point: ResumePoint, world_size: int, rank: int) -> str:
+    """The tag to load: the checkpoint's own, or its universal form on another world size (converted once,
+    on rank 0, by DeepSpeed's ds_to_universal; a collective)."""
+    if not point.universal(world_size):
+        return point.tag
+    if rank == 0:
+        convert_to_universal(point.checkpoint_dir, point.tag)
+        print(f"truneg: {point.tag} was written by {point.saved_world_size} ranks; loading its universal form on "
+              f"{world_size}", flush=True)
+    dist.barrier()
+    return universal_tag(point.tag)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading into HF models (export, analysis)
+# ---------------------------------------------------------------------------------------------------
+
+
+def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
+    """The consolidated fp32 weights of a tag (any ZeRO stage, any world size), by DeepSpeed's zero_to_fp32."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+    except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
+        raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
+
+
+def load_into(module: torch.nn.Module, state_dict: dict, where: str) -> None:
+    """load_state_dict with a strict key check and one clear line on a mismatch (DeepSpeed's own
+    load_state_dict_from_zero_checkpoint loads with strict=False and would hide it)."""
+    missing, unexpected = module.load_state_dict(state_dict, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:
+        raise UserError(f"checkpoint {where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -19,7 +19,7 @@ def _synonyms_build(args) -> None:
     tokens = synonyms.read_vocab(args.vocab)
     start = time.perf_counter()
     if args.source == "wordnet":
-        table = synonyms.build_from_wordnet(tokens, morphy=args.morphy, progress=True)
+        table = synonyms.build_from_wordnet(tokens, morphy=not args.exact, progress=True)
     elif args.source == "embedding":
         if not args.embeddings:
             raise UserError("--source embedding needs --embeddings (a word2vec file or an HF model folder)")
@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--embeddings", help="for --source embedding: word2vec file (text or binary) or HF model folder")
     build.add_argument("--top-k", type=int, default=10)
     build.add_argument("--min-cosine", type=float, default=0.6)
-    build.add_argument("--morphy", action="store_true", help="WordNet: add the synonyms of lemmatized forms")
+    forms = build.add_mutually_exclusive_group()
+    forms.add_argument("--exact", action="store_true",
+                       help="WordNet: only synsets that list the word itself (no lemmatisation; symmetric)")
+    forms.add_argument("--morphy", action="store_true",
+                       help="WordNet: synsets as wn.synsets(word) gives them, lemmatised (the default; kept for old scripts)")
     build.add_argument("--out", required=True, type=Path)
     build.set_defaults(func=_synonyms_build)
     show = syn.add_parser("show", help="print the synonyms of words")
@@ -76,7 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--tokenizer", help="tokenizer folder to save beside the weights (default: bert-base-uncased)")
     exp.set_defaults(func=_export)
 
-    from truneg import analysis_cli, evaluation_cli
+    # preflight takes pretrain.py's arguments, parsed by truneg.preflight itself (see main)
+    commands.add_parser("preflight", add_help=False,
+                        help="check a pre-training run before launching it: truneg preflight --help")
+
+    from truneg import analysis_cli, evaluation_cli, prepare
+
+    prepare.add_command(commands)
 
     analysis_cli.add_commands(commands)
     evaluation_cli.add_commands(commands)
@@ -85,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["preflight"]:
+        from truneg import preflight
+
+        sys.exit(preflight.run(argv[1:]))
     args = build_parser().parse_args(argv)
     args.func(args)
 

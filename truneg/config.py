@@ -1,24 +1,68 @@
-"""DeepSpeed JSON configs: pick the default for the accelerator, read, apply command-line overrides, check."""
+"""DeepSpeed JSON configs: pick the recipe for the preset and the hardware, read it, fit it to the world
+size and the command line, and say what was chosen.
+
+Two extensions to DeepSpeed's format, both replaced before DeepSpeed sees the config:
+  - `"total_num_steps": "auto"` takes `--max-steps`;
+  - `"warmup_num_steps": "auto"` is 1 % of `--max-steps` (BERT's and ELECTRA's 10k of 1M), and `"6%"`
+    any other share, so that a recipe's warmup fits however many steps a run is given.
+"""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from truneg.errors import UserError
 
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
+CPU_CONFIG = DS_CONFIGS / "cpu_zero2.json"
+BF16_MIN_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores. Below it (V100, sm_70) bf16 is only emulated.
+
+# (preset, continued from a checkpoint) -> recipe stem; the hardware picks `<stem>_<v100_fp16|a100_bf16>_zero2`.
+_RECIPES = {
+    ("electra-tiny", False): "electra_small", ("electra-tiny", True): "electra_small",
+    ("electra-small", False): "electra_small", ("electra-small", True): "electra_small",
+    ("electra-base", False): "electra_base", ("electra-base", True): "electra_base_continued",
+    ("bert-tiny", False): "bert_base", ("bert-tiny", True): "bert_base",
+    ("bert-base", False): "bert_base", ("bert-base", True): "bert_base_continued",
+    ("bert-large", False): "bert_large", ("bert-large", True): "bert_large_continued",
+}
+_WARMUP_SHARE = re.compile(r"^(\d+(?:\.\d+)?)%$")
 
 
-def default_config_path() -> Path:
-    """cpu_zero2 on the CPU; on GPUs, bf16 where supported (A100/H100), else fp16 (V100)."""
-    from deepspeed.accelerator import get_accelerator
+def precision_for(capability: tuple[int, int] | None) -> str:
+    """fp32 on the CPU (None), fp16 below compute capability 8.0, bf16 from 8.0 (never through emulation)."""
+    if capability is None:
+        return "fp32"
+    return "bf16" if tuple(capability) >= BF16_MIN_CAPABILITY else "fp16"
 
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
-        return DS_CONFIGS / "cpu_zero2.json"
-    if accelerator.is_bf16_supported():
-        return DS_CONFIGS / "electra_base_a100_bf16_zero3.json"
-    return DS_CONFIGS / "electra_base_v100_fp16_zero2.json"
+
+def local_capability() -> tuple[int, int] | None:
+    """The compute capability of this machine's first CUDA GPU, None without one (or under DS_ACCELERATOR=cpu).
+
+    Not torch.cuda.is_bf16_supported(): it is True on a V100 through emulation."""
+    import os
+
+    import torch
+
+    if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(0))
+
+
+def default_config_path(preset: str | None = None, capability: tuple[int, int] | None | str = "local",
+                        continued: bool = False) -> Path:
+    """The recipe for a preset on this hardware: cpu_zero2 on the CPU; on GPUs the preset's recipe (the
+    paper's continued one with `continued`), fp16 below compute capability 8.0 and bf16 from it, ZeRO-2.
+
+    capability "local" reads this machine's GPU; None means the CPU. A preset None is electra-base."""
+    if capability == "local":
+        capability = local_capability()
+    if capability is None:
+        return CPU_CONFIG
+    stem = _RECIPES.get((preset or "electra-base", bool(continued)), "electra_small")
+    hardware = "a100_bf16" if precision_for(capability) == "bf16" else "v100_fp16"
+    return DS_CONFIGS / f"{stem}_{hardware}_zero2.json"
 
 
 def read_config(path: str | Path) -> dict:
@@ -34,34 +78,146 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
-def resolve_batch_sizes(config: dict, world_size: int, micro_batch: int | None, grad_accum: int | None) -> None:
-    """Apply --micro-batch-size / --gradient-accumulation-steps and check train_batch_size divides evenly.
+def _positive(config: dict, key: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"the DeepSpeed config's {key} is {value!r}; it must be an integer >= 1")
+    return value
 
-    DeepSpeed would assert deep inside initialize(); this says which numbers clash and what to change.
-    """
-    if micro_batch is not None:
-        config["train_micro_batch_size_per_gpu"] = micro_batch
-    if grad_accum is not None:
-        config["gradient_accumulation_steps"] = grad_accum
-    if micro_batch is not None or grad_accum is not None:
-        config.pop("train_batch_size", None)
-    micro = config.get("train_micro_batch_size_per_gpu")
-    accum = config.get("gradient_accumulation_steps")
-    total = config.get("train_batch_size")
-    if micro is None and total is not None and accum is not None:
-        micro = total // (accum * world_size)
-    if accum is None:
-        accum = 1 if total is None or micro is None else total // (micro * world_size)
-    if micro is None or micro < 1 or accum < 1:
-        raise UserError("the DeepSpeed config needs train_micro_batch_size_per_gpu (or train_batch_size) >= 1")
-    if total is not None and total != micro * accum * world_size:
-        raise UserError(
-            f"train_batch_size {total} != micro batch {micro} x gradient accumulation {accum} x {world_size} ranks; "
-            "make train_batch_size divisible, or drop it and set train_micro_batch_size_per_gpu"
-        )
+
+def _largest_divisor_at_most(n: int, bound: int) -> int:
+    return max(d for d in range(1, min(n, bound) + 1) if n % d == 0)
+
+
+def resolve_batch_sizes(config: dict, world_size: int, micro_batch: int | None, grad_accum: int | None) -> str:
+    """Fit the batch to `world_size`, keeping the config's global batch (train_batch_size) where it has one.
+
+    The config's train_micro_batch_size_per_gpu is the most one rank holds: when train_batch_size is given,
+    the micro-batch is the largest divisor of train_batch_size / world_size up to it, and gradient
+    accumulation makes up the rest. --micro-batch-size or --gradient-accumulation-steps alone keep the
+    global batch; both together set it (micro x accumulation x world size). Returns one line saying what
+    was chosen; a split that does not exist is a UserError naming the numbers and what to pass."""
+    if world_size < 1:
+        raise UserError(f"world size {world_size}: there must be at least one rank")
+    for flag, value in (("--micro-batch-size", micro_batch), ("--gradient-accumulation-steps", grad_accum)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, not {value}")
+    total = _positive(config, "train_batch_size")
+    micro_cap = _positive(config, "train_micro_batch_size_per_gpu")
+    accum_config = _positive(config, "gradient_accumulation_steps")
+    how = ""
+    if micro_batch is not None and grad_accum is not None:
+        micro, accum = micro_batch, grad_accum
+        how = " (set by --micro-batch-size x --gradient-accumulation-steps"
+        how += f"; the config's {total} is replaced)" if total and total != micro * accum * world_size else ")"
+    elif total is None:  # a per-rank config (the CPU ones): the global batch follows the world size
+        micro = micro_batch or micro_cap
+        accum = grad_accum or accum_config or 1
+        if micro is None:
+            raise UserError("the DeepSpeed config needs train_batch_size or train_micro_batch_size_per_gpu; add one")
+        how = " (per-rank config: grows with the world size)"
+    else:
+        if total % world_size:
+            raise UserError(
+                f"train_batch_size {total} does not split over {world_size} ranks; run on a world size that "
+                f"divides {total}, or pass --micro-batch-size M --gradient-accumulation-steps A for a global "
+                f"batch of M x A x {world_size}"
+            )
+        per_rank = total // world_size
+        if micro_batch is not None:
+            if per_rank % micro_batch:
+                raise UserError(
+                    f"--micro-batch-size {micro_batch} does not divide train_batch_size {total} / {world_size} "
+                    f"ranks = {per_rank}; pass a divisor of {per_rank}, or --gradient-accumulation-steps too "
+                    "to change the global batch"
+                )
+            micro, accum = micro_batch, per_rank // micro_batch
+        elif grad_accum is not None:
+            if per_rank % grad_accum:
+                raise UserError(
+                    f"--gradient-accumulation-steps {grad_accum} does not divide train_batch_size {total} / "
+                    f"{world_size} ranks = {per_rank}; pass a divisor of {per_rank}, or --micro-batch-size too "
+                    "to change the global batch"
+                )
+            micro, accum = per_rank // grad_accum, grad_accum
+        elif micro_cap is None and accum_config is not None:
+            if per_rank % accum_config:
+                raise UserError(
+                    f"gradient_accumulation_steps {accum_config} does not divide train_batch_size {total} / "
+                    f"{world_size} ranks = {per_rank}; set train_micro_batch_size_per_gpu instead"
+                )
+            micro, accum = per_rank // accum_config, accum_config
+        else:
+            cap = micro_cap or per_rank
+            micro = _largest_divisor_at_most(per_rank, cap)
+            accum = per_rank // micro
+            if micro < cap:
+                how = f" (micro-batch {micro}, not the config's {cap}, so that the split is exact)"
     config["train_micro_batch_size_per_gpu"] = micro
     config["gradient_accumulation_steps"] = accum
     config["train_batch_size"] = micro * accum * world_size
+    return (f"global batch {config['train_batch_size']} = micro-batch {micro} x gradient accumulation "
+            f"{accum} x {world_size} ranks{how}")
+
+
+def resolve_warmup(value, max_steps: int) -> int | None:
+    """"auto" -> 1 % of max_steps, "N%" -> N % of it (at least 1 step); a number stays; None stays None."""
+    if value == "auto":
+        value = "1%"
+    if isinstance(value, str):
+        match = _WARMUP_SHARE.match(value.strip())
+        if not match:
+            raise UserError(f"warmup_num_steps {value!r}: write a number of steps, \"auto\" (1 %) or a share like \"6%\"")
+        return max(1, round(max_steps * float(match.group(1)) / 100))
+    return value
+
+
+def resolve(
+    path: str | Path,
+    world_size: int,
+    max_steps: int,
+    output_dir: Path,
+    micro_batch: int | None = None,
+    grad_accum: int | None = None,
+    lr: float | None = None,
+) -> tuple[dict, list[str]]:
+    """The config as deepspeed.initialize gets it, and the lines saying what was chosen (for rank 0 to print):
+    batch sizes fitted to the world size, --lr applied, "auto" and "N%" steps filled in, bf16 gradients
+    accumulated in fp32 where DeepSpeed allows it (ZeRO >= 1), monitors pointed at the run's folder."""
+    config = read_config(path)
+    choices = [resolve_batch_sizes(config, world_size, micro_batch, grad_accum)]
+    if lr is not None:
+        config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = lr
+        scheduler_params = config.get("scheduler", {}).get("params", {})
+        for key in ("warmup_max_lr", "max_lr", "cycle_max_lr"):
+            if key in scheduler_params:
+                scheduler_params[key] = lr
+    scheduler_params = config.get("scheduler", {}).get("params", {})
+    if scheduler_params.get("total_num_steps") == "auto":
+        scheduler_params["total_num_steps"] = max_steps
+    if "warmup_num_steps" in scheduler_params:
+        written = scheduler_params["warmup_num_steps"]
+        warmup = scheduler_params["warmup_num_steps"] = resolve_warmup(written, max_steps)
+        line = f"warmup {warmup} steps" + (f" ({written} of --max-steps {max_steps})" if isinstance(written, str) else "")
+        if isinstance(warmup, int) and warmup >= max_steps:
+            line += f"; longer than --max-steps {max_steps}: the peak learning rate is never reached"
+        choices.append(line)
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if config.get("bf16", {}).get("enabled"):
+        if stage >= 1 and "grad_accum_dtype" not in config.get("data_types", {}):
+            config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
+            choices.append("bf16 gradients accumulate in fp32 (data_types.grad_accum_dtype)")
+        elif stage == 0 and config["gradient_accumulation_steps"] > 1:
+            choices.append("bf16 gradients accumulate in bf16: DeepSpeed has no fp32 accumulation for bf16 at ZeRO stage 0")
+    monitor_dirs = {"tensorboard": "tensorboard", "csv_monitor": "csv", "wandb": None, "comet": None}
+    for section, subdir in monitor_dirs.items():
+        if section in config and subdir is not None:
+            config[section]["output_path"] = str(Path(output_dir) / subdir)
+            config[section].setdefault("job_name", "")
+    config.setdefault("steps_per_print", 10**9)  # truneg logs its own metrics
+    return config, choices
 
 
 def prepare_config(
@@ -73,26 +229,11 @@ def prepare_config(
     grad_accum: int | None = None,
     lr: float | None = None,
 ) -> dict:
-    """The config as deepspeed.initialize gets it: batch sizes resolved, "auto" steps filled in, monitors
-    pointed at the run's output folder."""
-    config = read_config(path)
-    resolve_batch_sizes(config, world_size, micro_batch, grad_accum)
-    if lr is not None:
-        config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = lr
-        scheduler_params = config.get("scheduler", {}).get("params", {})
-        for key in ("warmup_max_lr", "max_lr", "cycle_max_lr"):
-            if key in scheduler_params:
-                scheduler_params[key] = lr
-    scheduler_params = config.get("scheduler", {}).get("params", {})
-    for key, value in list(scheduler_params.items()):
-        if value == "auto" and key == "total_num_steps":
-            scheduler_params[key] = max_steps
-        elif value == "auto" and key == "warmup_num_steps":
-            scheduler_params[key] = max(1, max_steps // 100)
-    monitor_dirs = {"tensorboard": "tensorboard", "csv_monitor": "csv", "wandb": None, "comet": None}
-    for section, subdir in monitor_dirs.items():
-        if section in config and subdir is not None:
-            config[section]["output_path"] = str(output_dir / subdir)
-            config[section].setdefault("job_name", "")
-    config.setdefault("steps_per_print", 10**9)  # truneg logs its own metrics
-    return config
+    """resolve() without the lines saying what was chosen."""
+    return resolve(path, world_size, max_steps, output_dir, micro_batch, grad_accum, lr)[0]
+
+
+def precision_of(config: dict) -> str:
+    if config.get("bf16", {}).get("enabled"):
+        return "bf16"
+    return "fp16" if config.get("fp16", {}).get("enabled") else "fp32"

@@ -1,29 +1,29 @@
-"""Corpus -> packed token blocks (cached, memory-mapped) -> resumable sampler -> dynamic masking.
+"""Corpus -> prepared folder of packed token blocks (memory-mapped) -> resumable sampler -> dynamic masking.
 
-Blocks are `[CLS] t1 .. t_{L-2} [SEP]` cut from the concatenated token stream of the corpus; a blank
-line ends a document and puts a [SEP] into the stream. Masking is a pure function of
-(seed, epoch, sequence index), so it is drawn anew at each epoch, is identical after a resume, and
-does not depend on the world size.
+Blocks are `[CLS] t1 .. t_{L-2} [SEP]` cut from the token stream of each unit of the corpus (see
+truneg/prepare.py); a blank line ends a document and puts a [SEP] into the stream. Masking is a pure
+function of (seed, epoch, sequence index), so it is drawn anew at each epoch, is identical after a resume,
+and does not depend on the world size.
 """
 from __future__ import annotations
 
-import glob
-import hashlib
-import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from truneg import prepare as prep
+from truneg.corpus import resolve_text_files  # noqa: F401  (re-exported: the corpus resolver of the CLIs)
 from truneg.errors import UserError
 
-CACHE_FORMAT = 1
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TOKENIZER = ASSETS / "vocab"
 DEMO_CORPUS = ASSETS / "corpus"
+# The automatic path (a corpus given to training) prepares at most this much text inside a launch;
+# beyond it, `truneg prepare` once (on many processes and machines) is the way.
+AUTO_PREPARE_MAX_BYTES = 2 << 30
 
 
 def default_cache_dir() -> Path:
@@ -40,78 +40,6 @@ def load_tokenizer(name_or_dir: str | Path = DEFAULT_TOKENIZER):
         raise UserError(f"cannot load tokenizer {name_or_dir} ({err}); pass a folder with vocab.txt") from None
 
 
-def resolve_text_files(spec: str | Sequence[str]) -> list[Path]:
-    """A file, a folder (its *.txt, recursively) or a glob; several may be given. Sorted, deduplicated."""
-    specs = [spec] if isinstance(spec, (str, Path)) else list(spec)
-    files: set[Path] = set()
-    for item in specs:
-        path = Path(item)
-        if path.is_dir():
-            files.update(p for p in path.rglob("*.txt") if p.is_file())
-        elif path.is_file():
-            files.add(path)
-        else:
-            files.update(Path(p) for p in glob.glob(str(item), recursive=True) if Path(p).is_file())
-    if not files:
-        raise UserError(f"no text files found at {', '.join(map(str, specs))}; pass a file, a folder or a glob")
-    empty = [p for p in files if p.stat().st_size == 0]
-    if len(empty) == len(files):
-        raise UserError(f"the corpus at {', '.join(map(str, specs))} is empty; give it some text")
-    return sorted(files)
-
-
-def _corpus_fingerprint(files: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(str(path.resolve()).encode())
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _tokenizer_fingerprint(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    state = json.dumps([type(tokenizer).__name__, getattr(tokenizer, "do_lower_case", None), vocab])
-    return hashlib.sha256(state.encode()).hexdigest()
-
-
-def _load_text_dataset(train_data: str | Sequence[str], cache_dir: Path):
-    """Rows of text from files (one row per line; empty rows are document boundaries) or an HF dataset."""
-    import datasets
-
-    if isinstance(train_data, str) and train_data.startswith("hf:"):
-        # hf:NAME[:CONFIG][@SPLIT]#COLUMN, e.g. hf:wikitext:wikitext-103-raw-v1@train#text
-        spec, _, column = train_data[3:].partition("#")
-        spec, _, split = spec.partition("@")
-        name, _, config = spec.partition(":")
-        try:
-            ds = datasets.load_dataset(name, config or None, split=split or "train", cache_dir=str(cache_dir / "hf"))
-        except Exception as err:  # the hub or the local script raises many types
-            raise UserError(f"cannot load HF dataset {name!r} ({type(err).__name__}: {err})") from None
-        column = column or "text"
-        if column not in ds.column_names:
-            raise UserError(f"HF dataset {name!r} has no column {column!r}; name one with #COLUMN")
-        return ds.select_columns([column]).rename_column(column, "text"), name
-    files = resolve_text_files(train_data)
-    ds = datasets.load_dataset(
-        "text",
-        data_files=[str(p) for p in files],
-        split="train",
-        encoding_errors="replace",  # undecodable bytes become U+FFFD and are counted, not fatal
-        cache_dir=str(cache_dir / "hf"),
-    )
-    return ds, _corpus_fingerprint(files)
-
-
-def _tokenize_batch(batch: dict, tokenizer, sep_id: int) -> dict:
-    # Only the ids: building Python lists of type ids and attention masks costs as much as tokenizing.
-    encoded = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False,
-                        return_token_type_ids=False, verbose=False)["input_ids"]
-    ids = [tokens if text.strip() else [sep_id] for text, tokens in zip(batch["text"], encoded)]
-    return {"input_ids": ids, "replaced_chars": [text.count("\ufffd") for text in batch["text"]]}
-
-
 def pack_blocks(flat_ids: np.ndarray, seq_len: int, cls_id: int, sep_id: int) -> np.ndarray:
     """Cut the token stream into [n, seq_len] blocks framed by [CLS] .. [SEP]; the tail is dropped."""
     body = seq_len - 2
@@ -122,49 +50,143 @@ def pack_blocks(flat_ids: np.ndarray, seq_len: int, cls_id: int, sep_id: int) ->
     return blocks
 
 
-def build_blocks(
+# ---------------------------------------------------------------------------------------------------
+# Prepared folders
+# ---------------------------------------------------------------------------------------------------
+
+
+class PreparedBlocks:
+    """The blocks of a prepared folder: the union of its memory-mapped shards, indexed like one
+    [n, seq_len] array (`blocks[indices]` -> int32 rows; a sorted index array reads each shard in order)."""
+
+    def __init__(self, folder: Path, index: dict):
+        self.folder, self.index, self.fingerprint = folder, index, index["fingerprint"]
+        self.seq_len, dtype = index["seq_len"], np.dtype(index["dtype"])
+        self._shards, counts = [], []
+        for shard in index["shards"]:
+            path = folder / shard["file"]
+            expect = shard["blocks"] * self.seq_len * dtype.itemsize
+            size = path.stat().st_size if path.is_file() else None
+            if size != expect:
+                state = "missing" if size is None else f"{size} bytes, {expect} expected: truncated or replaced"
+                raise UserError(f"shard {path} is {state}; run the same `truneg prepare` again into a new --out")
+            if shard["blocks"]:
+                self._shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["blocks"], self.seq_len)))
+                counts.append(shard["blocks"])
+        self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self), self.seq_len
+
+    def __getitem__(self, key) -> np.ndarray:
+        if isinstance(key, tuple):  # blocks[rows, columns]
+            rows = self[key[0]]
+            return rows[key[1:]] if rows.ndim == 1 else rows[(slice(None), *key[1:])]
+        if isinstance(key, (int, np.integer)):
+            return self[np.array([key])][0]
+        indices = np.arange(len(self))[key] if isinstance(key, slice) else np.asarray(key, dtype=np.int64)
+        if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
+            raise IndexError(f"block index out of range for {len(self)} blocks")
+        indices = np.where(indices < 0, indices + len(self), indices)
+        shard_of = np.searchsorted(self._offsets, indices, side="right") - 1
+        rows = np.empty((len(indices), self.seq_len), dtype=np.int32)
+        for s in np.unique(shard_of):
+            at = shard_of == s
+            rows[at] = self._shards[s][indices[at] - self._offsets[s]]
+        return rows
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path) / prep.INDEX).is_file()
+
+
+def open_prepared(folder: str | Path, tokenizer=None, seq_len: int | None = None) -> PreparedBlocks:
+    """A prepared folder's blocks, checked against the tokenizer and --seq-len the run uses."""
+    folder = Path(folder)
+    if not is_prepared(folder):
+        if (folder / prep.SETTINGS).is_file():
+            raise UserError(f"{folder} is an unfinished preparation (no {prep.INDEX}): run the same `truneg prepare` "
+                            "again to finish it, or `truneg prepare --merge PART_DIRS... --out DIR` for parts")
+        raise UserError(f"{folder} has no {prep.INDEX}: not a prepared folder; run `truneg prepare` into it")
+    index = prep._read_json(folder / prep.INDEX)
+    if index.get("format") != prep.FORMAT:
+        raise UserError(f"{folder} was prepared in format {index.get('format')!r}, not {prep.FORMAT!r}; prepare it again")
+    if seq_len is not None and index["seq_len"] != seq_len:
+        raise UserError(f"{folder} holds blocks of --seq-len {index['seq_len']}, not {seq_len}; "
+                        f"pass --seq-len {index['seq_len']} or prepare the corpus again with --seq-len {seq_len}")
+    if tokenizer is not None and index["tokenizer"] != prep.tokenizer_fingerprint(tokenizer):
+        raise UserError(f"{folder} was prepared with another tokenizer (vocab); pass that --tokenizer or prepare "
+                        "the corpus again with this one")
+    return PreparedBlocks(folder, index)
+
+
+def ensure_prepared(
     train_data: str | Sequence[str],
     tokenizer,
     seq_len: int,
     cache_dir: Path | None = None,
     num_proc: int | None = None,
+    *,
+    prepare: bool = True,
 ) -> Path:
-    """Tokenize and pack a corpus once; return the `.npy` of blocks (reused while corpus, tokenizer, seq-len match)."""
+    """The prepared folder for --train-data: the folder itself, or the cache's preparation of a corpus
+    (made here when `prepare`, for corpora up to AUTO_PREPARE_MAX_BYTES). No collective: call it on each
+    node's local rank 0 before `deepspeed.init_distributed`, so no barrier waits on the tokenizer."""
+    specs = [str(train_data)] if isinstance(train_data, (str, Path)) else [str(s) for s in train_data]
+    prepared = [s for s in specs if Path(s).is_dir() and ((Path(s) / prep.INDEX).is_file()
+                                                         or (Path(s) / prep.SETTINGS).is_file())]
+    if prepared:
+        if len(specs) > 1:
+            raise UserError(f"{prepared[0]} is a prepared folder: give it alone to --train-data")
+        open_prepared(prepared[0])  # an unfinished one is a clear error here
+        return Path(prepared[0])
     cache_dir = Path(cache_dir or default_cache_dir())
-    ds, corpus_key = _load_text_dataset(train_data, cache_dir)
-    key = hashlib.sha256(
-        json.dumps([CACHE_FORMAT, corpus_key, _tokenizer_fingerprint(tokenizer), seq_len]).encode()
-    ).hexdigest()[:24]
-    out = cache_dir / "blocks" / f"{key}.npy"
-    if out.is_file():
-        return out
-    tokenized = ds.map(
-        _tokenize_batch,
-        batched=True,
-        batch_size=2000,
-        num_proc=num_proc or min(os.cpu_count() or 1, max(1, len(ds) // 2000), 8),
-        remove_columns=ds.column_names,
-        fn_kwargs={"tokenizer": tokenizer, "sep_id": tokenizer.sep_token_id},
-        desc="tokenize",
-    )
-    # The arrow column's flat value buffer is the token stream: no Python loop over rows.
-    ids_column = tokenized.data.column("input_ids").combine_chunks()
-    flat = ids_column.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-    replaced = int(np.sum(tokenized.data.column("replaced_chars").to_numpy()))
-    if replaced:
-        print(f"truneg: warning: {replaced} undecodable bytes in the corpus were replaced by U+FFFD", flush=True)
-    blocks = pack_blocks(flat, seq_len, tokenizer.cls_token_id, tokenizer.sep_token_id)
-    if len(blocks) == 0:
-        raise UserError(f"the corpus has {len(flat)} tokens, fewer than one block of --seq-len {seq_len}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.npy")
-    np.save(tmp, blocks)
-    tmp.replace(out)  # atomic: concurrent builders on a shared file system are safe
-    return out
+    settings, units, _ = prep.plan(specs, tokenizer, seq_len, cache_dir / "hf")
+    folder = cache_dir / "prepared" / prep.settings_key(settings)[:24]
+    if is_prepared(folder):
+        return folder
+    if not prepare:
+        raise UserError(f"{' '.join(specs)} is not prepared in {cache_dir}; prepare it on this node's local rank 0 first")
+    size = sum(u["bytes"] for u in units)
+    if size > AUTO_PREPARE_MAX_BYTES:
+        raise UserError(
+            f"the corpus is {size / 1e9:.1f} GB, too large to prepare inside a training launch; run once "
+            f"`truneg prepare --train-data {' '.join(specs)} --seq-len {seq_len} --out DIR --num-proc N` "
+            "(add --part i/n on n machines) and pass --train-data DIR")
+    return prep.prepare(specs, tokenizer, seq_len, folder, num_proc, hf_cache_dir=cache_dir / "hf")
 
 
-def open_blocks(path: Path) -> np.ndarray:
-    return np.load(path, mmap_mode="r")
+def open_training_blocks(
+    train_data: str | Sequence[str],
+    tokenizer,
+    seq_len: int,
+    cache_dir: Path | None = None,
+    num_proc: int | None = None,
+    *,
+    prepare: bool = True,
+) -> tuple[PreparedBlocks, str]:
+    """(blocks, fingerprint) of --train-data: a prepared folder, or a corpus prepared into the cache.
+
+    The fingerprint names the prepared content (tokenizer, seq_len and every shard's bytes): record it
+    with the run, so a folder prepared again from another corpus is not resumed as the same run."""
+    blocks = open_prepared(ensure_prepared(train_data, tokenizer, seq_len, cache_dir, num_proc, prepare=prepare),
+                           tokenizer, seq_len)
+    return blocks, blocks.fingerprint
+
+
+def build_blocks(train_data: str | Sequence[str], tokenizer, seq_len: int, cache_dir: Path | None = None,
+                 num_proc: int | None = None) -> Path:
+    """The prepared folder of --train-data (kept for callers of the former `.npy` cache: see open_blocks)."""
+    return ensure_prepared(train_data, tokenizer, seq_len, cache_dir, num_proc)
+
+
+def open_blocks(path: Path) -> PreparedBlocks | np.ndarray:
+    """A prepared folder's blocks (or a former cache's `.npy`, memory-mapped)."""
+    return open_prepared(path) if Path(path).is_dir() else np.load(path, mmap_mode="r")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,74 +233,3 @@ class ResumableSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.state = SamplerState(int(state["epoch"]), int(state["offset"]))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Masking
-# ---------------------------------------------------------------------------------------------------
-
-MASK_SCHEMES = {
-    # name: (selected share, of those -> [MASK], -> random token); the rest stay unchanged
-    "bert": (0.15, 0.8, 0.1),
-    "electra": (0.15, 0.85, 0.0),
-}
-
-
-def mask_tokens(
-    input_ids: np.ndarray,
-    special_ids: Sequence[int],
-    mask_id: int,
-    vocab_size: int,
-    scheme: str,
-    seed: int,
-    epoch: int,
-    indices: np.ndarray,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic masking, a pure function of (seed, epoch, sequence index).
-
-    Returns (masked input ids, labels) as int64 tensors; labels are the gold ids at selected positions
-    and -100 elsewhere.
-    """
-    select_p, mask_p, random_p = MASK_SCHEMES[scheme]
-    ids = np.array(input_ids, dtype=np.int64)
-    draws = np.empty((3,) + ids.shape)
-    for row, index in enumerate(indices):
-        rng = np.random.default_rng([seed, epoch, int(index)])
-        draws[0, row], draws[1, row] = rng.random((2, ids.shape[1]))
-        draws[2, row] = rng.integers(0, vocab_size, ids.shape[1])
-    maskable = ~np.isin(ids, np.asarray(special_ids))
-    selected = (draws[0] < select_p) & maskable
-    labels = np.where(selected, ids, -100)
-    to_mask = selected & (draws[1] < mask_p)
-    to_random = selected & (draws[1] >= mask_p) & (draws[1] < mask_p + random_p)
-    ids[to_mask] = mask_id
-    ids[to_random] = draws[2][to_random].astype(np.int64)
-    return torch.from_numpy(ids), torch.from_numpy(labels)
-
-
-class MaskedBatches:
-    """Iterator of masked micro-batches for one rank: dicts of input_ids, attention_mask, labels."""
-
-    def __init__(self, blocks: np.ndarray, sampler: ResumableSampler, tokenizer, scheme: str, seed: int):
-        self.blocks, self.sampler, self.scheme, self.seed = blocks, sampler, scheme, seed
-        self.special_ids = sorted(tokenizer.all_special_ids)
-        self.mask_id, self.vocab_size = tokenizer.mask_token_id, len(tokenizer)
-        self._it = iter(sampler)
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        epoch, indices = next(self._it)
-        order = np.argsort(indices)  # sorted reads from the memory map, original order kept
-        rows = np.empty((len(indices), self.blocks.shape[1]), dtype=np.int64)
-        rows[order] = self.blocks[indices[order]]
-        input_ids, labels = mask_tokens(
-            rows, self.special_ids, self.mask_id, self.vocab_size, self.scheme, self.seed, epoch, indices
-        )
-        return {
-            "input_ids": input_ids,
-            "attention_mask": torch.ones_like(input_ids),
-            "labels": labels,
-            "original_ids": torch.from_numpy(rows),
-        }
-
-    def __iter__(self):
-        return self

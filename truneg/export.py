@@ -11,72 +11,46 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from torch import nn
 from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, ElectraForPreTraining
 
+from truneg import checkpoint
+from truneg.checkpoint import HF_CONFIG_DIR
 from truneg.errors import UserError
 
-HF_CONFIG_DIR = "hf_config"
 PARTS = {"mlm": BertForMaskedLM, "generator": ElectraForMaskedLM, "discriminator": ElectraForPreTraining}
+TOKENIZER_DIR = "tokenizer"
 
 
-def save_hf_configs(model, checkpoint_dir: Path) -> None:
-    """Write the HF config of each part, so export can rebuild the classes without the training flags."""
+def save_hf_configs(model, checkpoint_dir: Path, tokenizer) -> None:
+    """Write the HF config of each part and the run's tokenizer, so export can rebuild the classes without
+    the training flags and ship the vocab the model was trained on."""
     for part in PARTS:
         if hasattr(model, part):
             getattr(model, part).config.save_pretrained(checkpoint_dir / HF_CONFIG_DIR / part)
-
-
-def resolve_checkpoint_dir(path: str | Path) -> tuple[Path, str | None]:
-    """A run's output folder, its checkpoints folder, or one tag folder -> (checkpoints folder, tag)."""
-    path = Path(path)
-    if (path / "checkpoints" / "latest").is_file():
-        return path / "checkpoints", None
-    if (path / "latest").is_file():
-        return path, None
-    if path.is_dir() and (path.parent / HF_CONFIG_DIR).is_dir():
-        return path.parent, path.name
-    raise UserError(f"{path} is not a truneg checkpoint folder (no `latest`); pass <output-dir>/checkpoints or a tag in it")
+    folder = checkpoint_dir / HF_CONFIG_DIR / TOKENIZER_DIR
+    tokenizer.save_pretrained(folder)
+    vocab = Path(tokenizer.name_or_path) / "vocab.txt"
+    if vocab.is_file():  # transformers 5 writes only tokenizer.json; older readers and synonyms want vocab.txt
+        shutil.copyfile(vocab, folder / "vocab.txt")
 
 
 def load_parts(checkpoint_path: str | Path) -> tuple[dict, int]:
     """Rebuild the HF models of a checkpoint with its fp32 weights. Returns ({part: model}, step)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     from truneg.models import ElectraPretrainer, ObjectiveConfig
 
-    checkpoint_dir, tag = resolve_checkpoint_dir(checkpoint_path)
-    tag = tag or (checkpoint_dir / "latest").read_text(encoding="utf-8").strip()
+    checkpoint_dir, tag = checkpoint.resolve_tag(checkpoint_path)
     names = [p for p in PARTS if (checkpoint_dir / HF_CONFIG_DIR / p / "config.json").is_file()]
     if not names:
         raise UserError(f"{checkpoint_dir} has no {HF_CONFIG_DIR}/; it was not written by truneg pretrain")
     parts = {p: PARTS[p](AutoConfig.from_pretrained(checkpoint_dir / HF_CONFIG_DIR / p)) for p in names}
-    try:
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
-    except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
-        raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
     if "generator" in parts:
-        wrapper = ElectraPretrainer(parts["generator"], parts["discriminator"], ObjectiveConfig())
-    else:
-        wrapper = _BertHolder(parts["mlm"])
-    missing, unexpected = wrapper.load_state_dict(state_dict, strict=False)
-    missing = [k for k in missing if not k.endswith("position_ids")]
-    if missing or unexpected:
-        raise UserError(f"checkpoint {checkpoint_dir / tag} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    step = int(tag.replace("global_step", "")) if tag.startswith("global_step") else -1
-    return parts, step
-
-
-class _BertHolder:
-    """Maps the pre-trainer's `mlm.` keys onto a bare BertForMaskedLM."""
-
-    def __init__(self, mlm):
-        self.mlm = mlm
-
-    def load_state_dict(self, state_dict: dict, strict: bool = False):
-        inner = {k[len("mlm."):]: v for k, v in state_dict.items() if k.startswith("mlm.")}
-        result = self.mlm.load_state_dict(inner, strict=strict)
-        extra = [k for k in state_dict if not k.startswith("mlm.")]
-        return result.missing_keys, list(result.unexpected_keys) + extra
+        holder = ElectraPretrainer(parts["generator"], parts["discriminator"], ObjectiveConfig())
+    else:  # the pre-trainer's `mlm.` keys onto a bare BertForMaskedLM
+        holder = nn.Module()
+        holder.mlm = parts["mlm"]
+    checkpoint.load_into(holder, checkpoint.fp32_state_dict(checkpoint_dir, tag), str(checkpoint_dir / tag))
+    return parts, checkpoint.step_of_tag(tag)
 
 
 def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict[str, Path]:
@@ -84,14 +58,18 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
     from truneg.data import DEFAULT_TOKENIZER, load_tokenizer
 
     parts, _ = load_parts(checkpoint_path)
-    tokenizer = load_tokenizer(tokenizer_dir or DEFAULT_TOKENIZER)
+    if tokenizer_dir is None:  # the run's own tokenizer, saved beside its configs (older runs: bert-base-uncased)
+        checkpoint_dir, _ = checkpoint.resolve(checkpoint_path)
+        saved = checkpoint_dir / HF_CONFIG_DIR / TOKENIZER_DIR
+        tokenizer_dir = saved if saved.is_dir() else DEFAULT_TOKENIZER
+    tokenizer = load_tokenizer(tokenizer_dir)
     out_dir = Path(out_dir)
     written = {}
     for name, model in parts.items():
         folder = out_dir if name == "mlm" else out_dir / name
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        vocab = Path(tokenizer_dir or DEFAULT_TOKENIZER) / "vocab.txt"
+        vocab = Path(tokenizer_dir) / "vocab.txt"
         if vocab.is_file():  # transformers 5 writes only tokenizer.json; older readers and synonyms want vocab.txt
             shutil.copyfile(vocab, folder / "vocab.txt")
         written[name] = folder

@@ -6,6 +6,10 @@ Reads GLUE's own TSV files (MRPC's header has a BOM, CoLA has no header, STS-B i
 has matched and mismatched dev sets). Defaults are ELECTRA's published fine-tuning hyper-parameters:
 AdamW (eps 1e-6, weight decay 0.01), linear warmup over 10 % then decay, batch 32, seq 128, layer-wise
 learning-rate decay 0.8, 3 epochs (10 for RTE and STS-B). Metrics come from scikit-learn and scipy.
+
+Training is HF's `Trainer` (`build_trainer`, shared with SQuAD): the layer-wise groups come from its
+`create_optimizer` hook, `--deepspeed_config` goes through its DeepSpeed integration, and its tqdm bar
+shows the loss, with the dev metric after each epoch, on stderr (stdout carries only the results).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import json
 import math
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +87,9 @@ def read_tsv(path: Path, task: Task) -> list[tuple[str, str | None, float | int]
     return rows
 
 
+METRIC_NAMES = ("accuracy", "f1", "matthews_correlation", "pearson", "spearmanr")
+
+
 def compute_metrics(task_name: str, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """GLUE's official metrics, from scikit-learn and scipy."""
     from scipy.stats import pearsonr, spearmanr
@@ -130,23 +138,128 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def encode(tokenizer, rows, max_len: int) -> dict[str, torch.Tensor]:
-    a = [r[0] for r in rows]
-    b = [r[1] for r in rows] if rows[0][1] is not None else None
-    enc = tokenizer(a, b, truncation=True, max_length=max_len, padding="max_length", return_tensors="pt")
-    labels = torch.tensor([r[2] for r in rows], dtype=torch.float32 if isinstance(rows[0][2], float) else torch.long)
-    return {**enc, "labels": labels}
+# --- fine-tuning through HF's Trainer (GLUE and SQuAD) ------------------------------------------------
+
+# Sections of a DeepSpeed config that fine-tuning replaces: with an `optimizer` section Trainer's integration
+# would build DeepSpeed's own optimizer and silently drop the layer-wise groups; `scheduler` would replace the
+# recipe's warmup; the monitors would write into the current folder (Trainer reports nothing: report_to none).
+REPLACED_DS_SECTIONS = ("optimizer", "scheduler")
+DROPPED_DS_MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
 
 
-def predict(model, data: dict[str, torch.Tensor], batch_size: int, regression: bool, device) -> np.ndarray:
-    model.eval()
-    outputs = []
-    with torch.no_grad():
-        for start in range(0, len(data["labels"]), batch_size):
-            batch = {k: v[start: start + batch_size].to(device) for k, v in data.items() if k != "labels"}
-            logits = model(**batch).logits
-            outputs.append(logits.squeeze(-1).float().cpu() if regression else logits.argmax(-1).cpu())
-    return torch.cat(outputs).numpy()
+def finetuning_deepspeed_config(path: str | Path) -> dict:
+    """The user's DeepSpeed config for Trainer's integration: batch sizes and clipping from the command line."""
+    from truneg.config import read_config
+
+    config = read_config(path)
+    replaced = [k for k in REPLACED_DS_SECTIONS if k in config]
+    if replaced:
+        print(f"truneg: note: finetune ignores the {' and '.join(replaced)} section(s) of {path}: it keeps ELECTRA's "
+              "layer-wise AdamW groups and linear warmup (--lr, --layerwise-decay)", file=sys.stderr, flush=True)
+    for key in REPLACED_DS_SECTIONS + DROPPED_DS_MONITORS:
+        config.pop(key, None)
+    config.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto", gradient_accumulation_steps="auto",
+                  gradient_clipping="auto")
+    return config
+
+
+def _trainer_classes():
+    """Trainer subclasses, defined on first use so that importing this module does not import transformers."""
+    from transformers import Trainer
+    from transformers.trainer_callback import ProgressCallback
+
+    class LayerwiseDecayTrainer(Trainer):
+        """Trainer whose optimizer is AdamW over ELECTRA's layer-wise groups. `create_optimizer` is the hook Trainer
+        calls with and without DeepSpeed (its DeepSpeed integration discards an optimizer passed to __init__)."""
+
+        def __init__(self, *args, layerwise_decay: float, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.layerwise_decay = layerwise_decay
+
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                groups = layerwise_param_groups(model or self.model, self.args.learning_rate, self.layerwise_decay,
+                                                self.args.weight_decay)
+                self.optimizer = torch.optim.AdamW(groups, lr=self.args.learning_rate, eps=self.args.adam_epsilon,
+                                                   betas=(self.args.adam_beta1, self.args.adam_beta2))
+            return self.optimizer
+
+    class ConsoleProgress(ProgressCallback):
+        """Trainer's tqdm bar with the latest loss and lr on it, and one line per evaluation, all on stderr."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or self.training_bar is None or not logs:
+                return
+            if "loss" in logs:  # lr: the top layer's (Trainer logs the first group's, the embeddings')
+                lr = max(kwargs["lr_scheduler"].get_last_lr()) if kwargs.get("lr_scheduler") else logs.get("learning_rate", 0.0)
+                self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{lr:.2e}")
+            scores = {k[len("eval_"):]: v for k, v in logs.items() if k.startswith("eval_") and
+                      not k.endswith(("_runtime", "_per_second"))}
+            if scores:
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, float))
+                self.training_bar.write(f"epoch {logs.get('epoch', 0):.2f}: {shown}", file=sys.stderr)
+
+    return LayerwiseDecayTrainer, ConsoleProgress
+
+
+def build_trainer(model, tokenizer, train_dataset, eval_dataset, compute_metrics: Callable, output_dir: Path, *,
+                  epochs: int, lr: float, batch_size: int, seed: int, warmup_ratio: float = 0.1,
+                  weight_decay: float = 0.01, layerwise_decay: float = 0.8, deepspeed_config: str | None = None):
+    """A Trainer with this module's recipe: AdamW (eps 1e-6) over layer-wise groups, linear warmup then decay,
+    gradient clipping 1, the dev set(s) scored after each epoch, nothing saved or reported on the way."""
+    from transformers import TrainingArguments
+    from transformers.trainer_callback import ProgressCallback
+
+    LayerwiseDecayTrainer, ConsoleProgress = _trainer_classes()
+    ds_config, precision = None, {}
+    if deepspeed_config:
+        ds_config = finetuning_deepspeed_config(deepspeed_config)
+        # the config's precision decides (Trainer's integration refuses a mismatch with the arguments)
+        precision = {k: bool(ds_config.get(k, {}).get("enabled", False)) for k in ("fp16", "bf16")}
+        from truneg.distributed import init_distributed
+
+        init_distributed()  # gloo and the /dev/shm workaround on the CPU; Trainer reuses the process group
+    total_steps = math.ceil(len(train_dataset) / batch_size) * epochs
+    args = TrainingArguments(
+        output_dir=str(output_dir), num_train_epochs=epochs, learning_rate=lr, per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=64, warmup_steps=warmup_ratio, weight_decay=weight_decay, adam_epsilon=1e-6,
+        max_grad_norm=1.0, lr_scheduler_type="linear", seed=seed, eval_strategy="epoch", save_strategy="no",
+        logging_strategy="steps", logging_steps=max(1, min(50, total_steps // 10)), report_to="none",
+        disable_tqdm=False, dataloader_pin_memory=torch.cuda.is_available(), deepspeed=ds_config, **precision)
+    trainer = LayerwiseDecayTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                    processing_class=tokenizer, compute_metrics=compute_metrics,
+                                    layerwise_decay=layerwise_decay)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(ConsoleProgress())
+    return trainer
+
+
+def train_and_score(trainer, epochs: int) -> dict[str, float]:
+    """Train (the dev set(s) are scored after each epoch) and return the last scores, `eval_`-prefixed as
+    Trainer logs them; with 0 epochs, the untrained model's."""
+    if epochs > 0:
+        trainer.train()
+    else:
+        trainer.evaluate()
+    latest: dict[str, float] = {}
+    for entry in trainer.state.log_history:
+        latest.update({k: v for k, v in entry.items() if k.startswith("eval_")})
+    return latest
+
+
+class _Examples(torch.utils.data.Dataset):
+    """Tokenized examples, unpadded: Trainer's collator pads each batch to its longest example."""
+
+    def __init__(self, tokenizer, rows, max_len: int):
+        b = [r[1] for r in rows] if rows[0][1] is not None else None
+        self.enc = tokenizer([r[0] for r in rows], b, truncation=True, max_length=max_len)
+        self.labels = [r[2] for r in rows]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**{k: v[i] for k, v in self.enc.items()}, "labels": self.labels[i]}
 
 
 def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output_dir: str | Path, epochs: int | None = None,
@@ -154,11 +267,7 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
              seed: int = 42, warmup_ratio: float = 0.1, weight_decay: float = 0.01, layerwise_decay: float = 0.8,
              deepspeed_config: str | None = None) -> dict:
     """Fine-tune and evaluate on the dev set(s); writes and returns results.json's content."""
-    from transformers import (
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        get_linear_schedule_with_warmup,
-    )
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     if task_name not in TASKS:
         raise UserError(f"unknown GLUE task {task_name!r}; choose one of {', '.join(TASKS)}")
@@ -169,61 +278,33 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
     if max_train_samples:
         train_rows = train_rows[:max_train_samples]
     regression = task.labels is None
-    epochs = epochs or task.epochs
+    epochs = task.epochs if epochs is None else epochs
 
     seed_everything(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(
         model_dir, num_labels=1 if regression else len(task.labels),
         problem_type="regression" if regression else "single_label_classification")
-    train = encode(tokenizer, train_rows, max_seq_len)
-    steps_per_epoch = math.ceil(len(train_rows) / batch_size)
-    total_steps = steps_per_epoch * epochs
-    groups = layerwise_param_groups(model, lr, layerwise_decay, weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=lr, eps=1e-6)
-    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(warmup_ratio * total_steps), total_steps)
-    engine, device = model, torch.device("cpu")
-    if deepspeed_config:  # on GPUs: the same loop through a DeepSpeed engine, with this recipe's optimizer
-        import deepspeed
 
-        from truneg.config import read_config
-        from truneg.trainer import init_distributed
+    def scores(prediction) -> dict[str, float]:
+        logits = prediction.predictions
+        return compute_metrics(task_name, logits.squeeze(-1) if regression else logits.argmax(-1), prediction.label_ids)
 
-        init_distributed()
-        config = {k: v for k, v in read_config(deepspeed_config).items()
-                  if k not in ("optimizer", "scheduler", "train_batch_size", "tensorboard", "csv_monitor", "wandb")}
-        config.update(train_micro_batch_size_per_gpu=batch_size, gradient_accumulation_steps=1, gradient_clipping=1.0)
-        engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                               config=config)
-        device = engine.device
-    order_rng = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        model.train()
-        index = torch.randperm(len(train_rows), generator=order_rng)
-        for start in range(0, len(train_rows), batch_size):
-            batch = {k: v[index[start: start + batch_size]].to(device) for k, v in train.items()}
-            loss = engine(**batch).loss
-            if deepspeed_config:
-                engine.backward(loss)
-                engine.step()
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-
+    eval_sets = {Path(name).stem: _Examples(tokenizer, rows, max_seq_len) for name, rows in dev_sets.items()}
+    trainer = build_trainer(model, tokenizer, _Examples(tokenizer, train_rows, max_seq_len), eval_sets, scores,
+                            output_dir, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed, warmup_ratio=warmup_ratio,
+                            weight_decay=weight_decay, layerwise_decay=layerwise_decay, deepspeed_config=deepspeed_config)
+    logged = train_and_score(trainer, epochs)
     metrics: dict[str, float] = {}
-    for name, rows in dev_sets.items():
-        dev = encode(tokenizer, rows, max_seq_len)
-        scores = compute_metrics(task_name, predict(engine, dev, 64, regression, device), dev["labels"].numpy())
-        suffix = "_mm" if name == "dev_mismatched.tsv" else ""
-        metrics.update({k + suffix: v for k, v in scores.items()})
+    for name in dev_sets:
+        prefix, suffix = f"eval_{Path(name).stem}_", "_mm" if name == "dev_mismatched.tsv" else ""
+        metrics.update({k[len(prefix):] + suffix: v for k, v in logged.items()
+                        if k.startswith(prefix) and k[len(prefix):] in METRIC_NAMES})
     results = {"task": task_name, "model": str(model_dir), **metrics, "train_samples": len(train_rows),
                "eval_samples": sum(len(r) for r in dev_sets.values()), "epochs": epochs, "lr": lr,
                "batch_size": batch_size, "seed": seed, "layerwise_decay": layerwise_decay}
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    model.save_pretrained(output_dir / "model")  # for `truneg robustness` and further use
-    tokenizer.save_pretrained(output_dir / "model")
+    trainer.save_model(str(output_dir / "model"))  # model and tokenizer, for `truneg robustness` and further use
+    if trainer.is_world_process_zero():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results

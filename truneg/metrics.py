@@ -25,14 +25,17 @@ class MetricsLogger:
         self.interval_start = time.perf_counter()
         self.interval_samples = 0
 
-    def add(self, stats: dict[str, torch.Tensor], loss: torch.Tensor, samples: int) -> None:
-        """Accumulate one micro-step (stats are detached 0-d tensors; no host sync here)."""
-        for key, value in {"loss": loss.detach(), **stats}.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value.double()
+    def add(self, stats: dict[str, torch.Tensor], loss: torch.Tensor, finite: torch.Tensor, samples: int) -> None:
+        """Accumulate one micro-step (stats are detached 0-d tensors; no host sync here). A micro-step whose
+        loss is not finite adds nothing but its samples: its optimizer step is skipped."""
+        for key, value in {"loss": loss.detach(), "finite_micro_steps": torch.ones_like(loss), **stats}.items():
+            value = torch.where(finite, value.double(), torch.zeros((), dtype=torch.float64, device=value.device))
+            self.sums[key] = self.sums.get(key, 0.0) + value
         self.micro_steps += 1
         self.interval_samples += samples
 
     def count_nonfinite(self) -> None:
+        """An optimizer step skipped for a non-finite loss on some rank (known after the step's all-reduce)."""
         self.nonfinite_steps += 1
 
     # The accumulator is part of a rank's resumable state, so a resume logs the same numbers.
@@ -69,22 +72,27 @@ class MetricsLogger:
         device = next(iter(self.sums.values())).device
         totals = self._reduced(device)
         elapsed = time.perf_counter() - self.interval_start
-        micro = max(totals["micro_steps"], 1.0)
+        finite = totals["finite_micro_steps"]
         record = {"step": step, "samples": int(self.engine.global_samples)}
         for key in ("loss", "mlm_loss", "gen_loss", "disc_loss", "sr_loss"):
-            if key in totals:
-                record[key] = totals[key] / micro
+            if key in totals and finite > 0:  # an interval of skipped steps only has no loss to show
+                record[key] = totals[key] / finite
         if "disc_tokens" in totals:
             record["disc_accuracy"] = totals["disc_correct"] / max(totals["disc_tokens"], 1.0)
         record["hc_corrected"] = int(totals["corrected"])
         record["hc_iter_ratio"] = totals["sequences_corrected"] / max(totals["sequences"], 1.0)
         record["hc_pred_ratio"] = totals["corrected"] / max(totals["mismatched"], 1.0)
-        record["mlm_accuracy"] = 1.0 - totals["mismatched"] / max(totals["masked"], 1.0)
+        record["mlm_accuracy"] = 1.0 - totals["mismatched"] / max(totals["masked"], 1.0)  # of the prediction HC judges
+        if "mlm_argmax_correct" in totals:  # ELECTRA's generator, as the official code logs it
+            record["mlm_argmax_accuracy"] = totals["mlm_argmax_correct"] / max(totals["masked"], 1.0)
+            record["mlm_sampled_accuracy"] = totals["mlm_sampled_correct"] / max(totals["masked"], 1.0)
         record["lr"] = self.engine.get_lr()[0]
         scale = self.engine._get_optimizer_loss_scale() if self.engine.fp16_enabled() else None  # as DeepSpeed logs it
         if scale is not None:
             record["loss_scale"] = float(scale)
-        record["nonfinite_steps"] = int(totals["nonfinite_steps"])
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        record["nonfinite_steps"] = int(totals["nonfinite_steps"]) // ranks  # counted on every rank
+        record["skipped_steps"] = int(self.engine.skipped_steps)  # DeepSpeed's own: fp16/bf16 overflow
         record["samples_per_sec"] = totals["samples"] / elapsed if elapsed > 0 else math.nan
         record["tokens_per_sec"] = record["samples_per_sec"] * self.seq_len
         if self.rank == 0:

@@ -17,6 +17,7 @@ from truneg.errors import UserError
 from truneg.objectives import (
     DISCRIMINATOR_WEIGHT,
     discriminator_loss,
+    false_negative_counts,
     gumbel_max_sample,
     hard_correction,
     mlm_loss,
@@ -51,6 +52,7 @@ ELECTRA_PRESETS = {
     ),
 }
 PRESETS = sorted(BERT_PRESETS) + sorted(ELECTRA_PRESETS)
+DEFAULT_PRESET = "electra-tiny"
 
 
 @dataclass
@@ -59,6 +61,7 @@ class ObjectiveConfig:
     hc_prediction: str = "default"  # argmax | sample | default (BERT: argmax, ELECTRA: sample)
     sr: str = "none"  # none | word | sent
     sr_weight: float = 1.0
+    sr_sent_target: str = "masked"  # H_s of SR_Sent: the masked sentence (the MLM's own pass) | the original
 
 
 def is_electra(preset: str) -> bool:
@@ -71,37 +74,35 @@ def check_preset(preset: str) -> None:
 
 
 def _common_config() -> dict:
-    return {"vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_POSITIONS, "type_vocab_size": 2}
+    # SDPA attention explicitly: flash / memory-efficient kernels on GPUs, and a graph dynamo traces whole.
+    return {"vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_POSITIONS, "type_vocab_size": 2,
+            "attn_implementation": "sdpa"}
 
 
-def bert_masked_logits(mlm: BertForMaskedLM, input_ids, attention_mask, masked) -> torch.Tensor:
-    """MLM logits [M, V] at the masked positions only: the head runs on M rows, not B x L."""
-    hidden = mlm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return mlm.cls(hidden[masked])
+def gather_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """hidden [B, L, H] at positions [B, P] -> [B, P, H], by torch.gather (static shape, no host sync)."""
+    return hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
-def generator_masked_logits(generator: ElectraForMaskedLM, input_ids, attention_mask, masked) -> torch.Tensor:
-    hidden = generator.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return generator.generator_lm_head(generator.generator_predictions(hidden[masked]))
+def bert_masked_logits(mlm: BertForMaskedLM, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """MLM logits [B, P, V] at the masked positions only: the head runs on B x P rows, not B x L."""
+    return mlm.cls(gather_positions(hidden, positions))
 
 
-def _correct(gold, pred, lookup: SynonymLookup | None) -> torch.Tensor | None:
-    """HC's corrected mask, or None without HC (so the baseline loss is the plain cross-entropy)."""
-    return None if lookup is None else hard_correction(gold, pred, lookup)
+def generator_masked_logits(generator: ElectraForMaskedLM, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return generator.generator_lm_head(generator.generator_predictions(gather_positions(hidden, positions)))
 
 
-def _stats_for_predictions(gold, pred, corrected, masked) -> dict[str, torch.Tensor]:
-    if corrected is None:
-        corrected = torch.zeros_like(gold, dtype=torch.bool)
-    corrected_full = torch.zeros_like(masked)
-    corrected_full[masked] = corrected
-    return {
-        "sequences": torch.tensor(float(masked.shape[0]), device=gold.device),
-        "masked": masked.sum().float(),
-        "mismatched": (pred != gold).sum().float(),
-        "corrected": corrected.sum().float(),
-        "sequences_corrected": corrected_full.any(dim=1).sum().float(),
-    }
+def _correct(gold, pred, valid, lookup: SynonymLookup | None) -> torch.Tensor:
+    """HC's corrected mask over the valid slots (all False without HC)."""
+    if lookup is None:
+        return torch.zeros_like(valid)
+    return hard_correction(gold, pred, lookup) & valid
+
+
+def _fill(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`ids` with `values` written at the valid masked positions (padding slots rewrite what is there)."""
+    return ids.scatter(1, positions, torch.where(valid, values, ids.gather(1, positions)))
 
 
 class _Pretrainer(nn.Module):
@@ -118,12 +119,12 @@ class _Pretrainer(nn.Module):
 
         deepspeed.zero.register_external_parameter(self, self.word_embeddings.weight)
 
-    def add_soft_regularization(self, loss, stats: dict, gold, pred, sentence_pair) -> torch.Tensor:
+    def add_soft_regularization(self, loss, stats: dict, gold, pred, valid, sentence_pair) -> torch.Tensor:
         """loss + sr_weight * SR. `sentence_pair()` gives (H_p, H_s, attention mask), encoded only for SR_Sent."""
         if self.objective.sr == "none":
             return loss
         if self.objective.sr == "word":
-            sr = soft_regularization(self.word_embeddings.weight, gold, pred)
+            sr = soft_regularization(self.word_embeddings.weight, gold, pred, valid)
         else:
             sr = sentence_regularization(*sentence_pair())
         stats["sr_loss"] = sr.detach()
@@ -144,26 +145,34 @@ class BertPretrainer(_Pretrainer):
     def word_embeddings(self) -> nn.Embedding:
         return self.mlm.bert.embeddings.word_embeddings
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.mlm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-    def masked_logits(self, input_ids, attention_mask, masked) -> torch.Tensor:
-        return bert_masked_logits(self.mlm, input_ids, attention_mask, masked)
+    def masked_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return bert_masked_logits(self.mlm, hidden, positions)
 
-    def forward(self, input_ids, attention_mask, labels, original_ids):
-        masked = labels != -100
-        gold = labels[masked]
-        logits = self.masked_logits(input_ids, attention_mask, masked)
+    def forward(self, input_ids, original_ids, masked_positions, masked_valid, attention_mask=None):
+        gold = original_ids.gather(1, masked_positions)
+        hidden = self.encode(input_ids, attention_mask)
+        logits = self.masked_logits(hidden, masked_positions)
         pred = logits.detach().argmax(-1) if self.prediction == "argmax" else gumbel_max_sample(logits)
-        corrected = _correct(gold, pred, self.hc_lookup)
-        loss = mlm_loss(logits, gold, corrected)
-        stats = {"mlm_loss": loss.detach(), **_stats_for_predictions(gold, pred, corrected, masked)}
+        corrected = _correct(gold, pred, masked_valid, self.hc_lookup)
+        loss = mlm_loss(logits, gold, masked_valid & ~corrected)
+        stats = {"mlm_loss": loss.detach(), **false_negative_counts(gold, pred, corrected, masked_valid)}
 
         def sentence_pair():
-            filled = original_ids.masked_scatter(masked, pred)
-            return self.encode(filled, attention_mask), self.encode(original_ids, attention_mask), attention_mask
+            # Section 5: "we fill the masked sentence s with the predicted tokens to have the predicted sentence
+            # s_p. Then s_p and s are fed to the Transformer encoder to have H_p and H_s", and SR_Sent "requires
+            # the extra calculation for the predicted sequence H_p". So by default H_s is the MLM forward's own
+            # encoding of the masked sentence, and only H_p costs a pass. Related Work speaks of "the predicted
+            # sentence and the original sentence": `--sr-sent-target original` encodes the unmasked original
+            # instead (a second extra pass). Gradients flow into both H_p and H_s, as the loss is written.
+            h_pred = self.encode(_fill(input_ids, masked_positions, masked_valid, pred), attention_mask)
+            if self.objective.sr_sent_target == "original":
+                return h_pred, self.encode(original_ids, attention_mask), attention_mask
+            return h_pred, hidden, attention_mask
 
-        return self.add_soft_regularization(loss, stats, gold, pred, sentence_pair), stats
+        return self.add_soft_regularization(loss, stats, gold, pred, masked_valid, sentence_pair), stats
 
 
 class ElectraPretrainer(_Pretrainer):
@@ -185,62 +194,134 @@ class ElectraPretrainer(_Pretrainer):
     def word_embeddings(self) -> nn.Embedding:
         return self.discriminator.electra.embeddings.word_embeddings
 
-    def masked_logits(self, input_ids, attention_mask, masked) -> torch.Tensor:
-        return generator_masked_logits(self.generator, input_ids, attention_mask, masked)
+    def masked_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return generator_masked_logits(self.generator, hidden, positions)
 
-    def forward(self, input_ids, attention_mask, labels, original_ids):
-        masked = labels != -100
-        gold = labels[masked]
-        gen_logits = self.masked_logits(input_ids, attention_mask, masked)
+    def forward(self, input_ids, original_ids, masked_positions, masked_valid, attention_mask=None):
+        gold = original_ids.gather(1, masked_positions)
+        gen_hidden = self.generator.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        gen_logits = self.masked_logits(gen_hidden, masked_positions)
         sample = gumbel_max_sample(gen_logits)
-        pred = sample if self.prediction == "sample" else gen_logits.detach().argmax(-1)
-        corrected = _correct(gold, pred, self.hc_lookup)
-        gen_loss = mlm_loss(gen_logits, gold, corrected)
+        argmax = gen_logits.detach().argmax(-1)
+        pred = sample if self.prediction == "sample" else argmax
+        corrected = _correct(gold, pred, masked_valid, self.hc_lookup)
+        gen_loss = mlm_loss(gen_logits, gold, masked_valid & ~corrected)
 
         # The discriminator always sees the sample; its HC relabelling is judged on the sample too.
-        disc_input = input_ids.masked_scatter(masked, sample)
-        corrected_sample = corrected if pred is sample else _correct(gold, sample, self.hc_lookup)
-        disc_labels = replaced_token_labels(disc_input, original_ids, masked, corrected_sample)
-        disc_out = self.discriminator.electra(input_ids=disc_input, attention_mask=attention_mask)
-        disc_logits = self.discriminator.discriminator_predictions(disc_out.last_hidden_state)
+        disc_input = _fill(input_ids, masked_positions, masked_valid, sample)
+        corrected_sample = corrected if pred is sample else _correct(gold, sample, masked_valid, self.hc_lookup)
+        corrected_full = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, masked_positions, corrected_sample)
+        disc_labels = replaced_token_labels(disc_input, original_ids, corrected_full if self.hc_lookup is not None else None)
+        disc_hidden = self.discriminator.electra(input_ids=disc_input, attention_mask=attention_mask).last_hidden_state
+        disc_logits = self.discriminator.discriminator_predictions(disc_hidden)
         disc_loss = discriminator_loss(disc_logits, disc_labels, attention_mask)
         loss = gen_loss + DISCRIMINATOR_WEIGHT * disc_loss
 
-        active = attention_mask.bool()
+        active = torch.ones_like(disc_labels, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         stats = {
             "gen_loss": gen_loss.detach(),
             "disc_loss": disc_loss.detach(),
             "disc_correct": (((disc_logits.detach() > 0).long() == disc_labels) & active).sum().float(),
             "disc_tokens": active.sum().float(),
-            **_stats_for_predictions(gold, pred, corrected, masked),
+            # the official ELECTRA logs both: masked_lm_accuracy (argmax) and sampled_masked_lm_accuracy
+            "mlm_argmax_correct": ((argmax == gold) & masked_valid).sum().float(),
+            "mlm_sampled_correct": ((sample == gold) & masked_valid).sum().float(),
+            **false_negative_counts(gold, pred, corrected, masked_valid),
         }
 
-        def sentence_pair():  # the discriminator already encoded the filled-in sentence
+        def sentence_pair():
+            # ELECTRA's encoder is the discriminator, and it has already encoded the sentence filled with the
+            # generator's samples (s_p, with the sample as ELECTRA's prediction): H_p costs nothing. H_s is the
+            # discriminator's encoding of the original sentence, the one extra pass. (The masked sentence is
+            # not a discriminator input: the discriminator never sees [MASK].)
             h_gold = self.discriminator.electra(input_ids=original_ids, attention_mask=attention_mask)
-            return disc_out.last_hidden_state, h_gold.last_hidden_state, attention_mask
+            return disc_hidden, h_gold.last_hidden_state, attention_mask
 
-        return self.add_soft_regularization(loss, stats, gold, pred, sentence_pair), stats
+        return self.add_soft_regularization(loss, stats, gold, pred, masked_valid, sentence_pair), stats
 
 
 def build_pretrainer(
-    preset: str, objective: ObjectiveConfig, init_from: str | Path | None = None, dropout: float = 0.1
+    preset: str | None,
+    objective: ObjectiveConfig,
+    init_from: str | Path | None = None,
+    dropout: float | None = None,
+    vocab_size: int = VOCAB_SIZE,
 ) -> BertPretrainer | ElectraPretrainer:
-    """A fresh model of a preset, or one continued from an HF checkpoint (`--init-from`)."""
-    check_preset(preset)
-    common = {**_common_config(), "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-    if not is_electra(preset):
-        if init_from:
-            return BertPretrainer(_from_pretrained(BertForMaskedLM, Path(init_from)), objective)
-        return BertPretrainer(BertForMaskedLM(BertConfig(**common, **BERT_PRESETS[preset])), objective)
+    """A fresh model of a preset, or one continued from an HF checkpoint (`--init-from`).
+
+    `dropout` None keeps the checkpoint's own dropout (0.1 for a fresh model); `vocab_size` follows the
+    tokenizer, so that no id a smaller vocab cannot produce has a row. With `init_from`, `preset` None takes
+    the checkpoint's architecture, and a preset that contradicts it is refused.
+    """
     if init_from:
-        root = Path(init_from)
-        generator = _from_pretrained(ElectraForMaskedLM, root / "generator")
-        discriminator = _from_pretrained(ElectraForPreTraining, root / "discriminator")
-        return ElectraPretrainer(generator, discriminator, objective)
+        model = _continued(preset, Path(init_from), objective)
+        if dropout is not None:
+            set_dropout(model, dropout)
+        return model
+    preset = preset or DEFAULT_PRESET
+    check_preset(preset)
+    dropout = 0.1 if dropout is None else dropout
+    common = {**_common_config(), "vocab_size": vocab_size,
+              "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    if not is_electra(preset):
+        return BertPretrainer(BertForMaskedLM(BertConfig(**common, **BERT_PRESETS[preset])), objective)
     disc_sizes, gen_sizes = ELECTRA_PRESETS[preset]
     discriminator = ElectraForPreTraining(ElectraConfig(**common, **disc_sizes))
     generator = ElectraForMaskedLM(ElectraConfig(**common, **gen_sizes))
     return ElectraPretrainer(generator, discriminator, objective)
+
+
+def _continued(preset: str | None, root: Path, objective: ObjectiveConfig) -> BertPretrainer | ElectraPretrainer:
+    electra = (root / "discriminator" / "config.json").is_file()
+    if preset is not None:
+        check_preset(preset)
+        if is_electra(preset) != electra:
+            raise UserError(f"--model {preset} contradicts --init-from {root}, which holds "
+                            f"{'an ELECTRA' if electra else 'a BERT'} checkpoint; drop --model or pass a matching preset")
+    if electra:
+        generator = _from_pretrained(ElectraForMaskedLM, root / "generator")
+        discriminator = _from_pretrained(ElectraForPreTraining, root / "discriminator")
+        model = ElectraPretrainer(generator, discriminator, objective)
+        config, sizes = discriminator.config, ELECTRA_PRESETS.get(preset or "", (None,))[0]
+    else:
+        model = BertPretrainer(_from_pretrained(BertForMaskedLM, root), objective)
+        config, sizes = model.mlm.config, BERT_PRESETS.get(preset or "")
+    if sizes is not None:
+        loaded = {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers")}
+        wanted = {k: sizes[k] for k in loaded}
+        if loaded != wanted:
+            raise UserError(f"--model {preset} ({wanted['num_hidden_layers']} layers x {wanted['hidden_size']}) contradicts "
+                            f"--init-from {root} ({loaded['num_hidden_layers']} x {loaded['hidden_size']}); "
+                            "drop --model to train the checkpoint's own architecture")
+    return model
+
+
+def architecture(model: BertPretrainer | ElectraPretrainer) -> dict:
+    """What was built or loaded, for the run record: family, layers, width, vocab, dropout."""
+    config = model.mlm.config if isinstance(model, BertPretrainer) else model.discriminator.config
+    return {"family": model.scheme, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
+            "vocab_size": config.vocab_size, "dropout": config.hidden_dropout_prob}
+
+
+def set_dropout(model: nn.Module, p: float) -> None:
+    """Apply --dropout to every dropout layer and config of a loaded checkpoint."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "hidden_dropout_prob"):
+            config.hidden_dropout_prob = config.attention_probs_dropout_prob = p
+
+
+def parameter_groups(model: nn.Module) -> list[dict]:
+    """BERT's and ELECTRA's rule: no weight decay on biases and LayerNorm weights. The first group takes the
+    config's weight_decay, the second 0."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if name.endswith("bias") or "LayerNorm" in name else decay).append(param)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _from_pretrained(cls, path: Path):
@@ -250,6 +331,6 @@ def _from_pretrained(cls, path: Path):
             "(with generator/ and discriminator/ for ELECTRA) or an HF model folder"
         )
     try:
-        return cls.from_pretrained(path)
+        return cls.from_pretrained(path, attn_implementation="sdpa")
     except (OSError, ValueError) as err:
         raise UserError(f"--init-from: cannot load {path} ({err})") from None

@@ -1,7 +1,8 @@
 """The training objectives as pure tensor functions, named as in the paper.
 
-Shapes: `gold` and `pred` are 1-D over the masked positions of a batch (M), `logits` is [M, V].
-Nothing here syncs with the host or loops over tokens in Python.
+Shapes are static: `gold`, `pred` and `valid` are [B, P] over the masked-position slots of a batch
+(`valid` is False on padding slots), `logits` is [B, P, V]. Nothing here syncs with the host or loops
+over tokens in Python.
 """
 from __future__ import annotations
 
@@ -25,26 +26,28 @@ def hard_correction(gold: torch.Tensor, pred: torch.Tensor, lookup: SynonymLooku
     return (pred != gold) & lookup.is_synonym(gold, pred)
 
 
-def mlm_loss(logits: torch.Tensor, gold: torch.Tensor, corrected: torch.Tensor | None = None) -> torch.Tensor:
-    """Cross-entropy averaged over the masked positions that hard correction left labelled.
+def mlm_loss(logits: torch.Tensor, gold: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over the masked positions `keep` marks (the valid slots that hard correction
+    left labelled).
 
     With no position left the loss is 0 (not NaN), so a step whose predictions were all corrected
     still trains the rest of the model.
     """
-    if corrected is None:  # the baseline: exactly the usual cross-entropy
-        return F.cross_entropy(logits.float(), gold) if gold.numel() else logits.sum() * 0.0
-    keep = ~corrected
-    per_position = F.cross_entropy(logits.float(), gold, reduction="none")
-    return (per_position * keep).sum() / keep.sum().clamp(min=1)
+    labels = torch.where(keep, gold, torch.full_like(gold, -100))
+    per_position = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
+    return per_position.sum() / keep.sum().clamp(min=1)
 
 
-def soft_regularization(embedding_matrix: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+def soft_regularization(
+    embedding_matrix: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """The paper's Eq. 3: mean over masked positions of 1 - cos(E[gold], E[pred]); gradients reach both rows."""
-    if gold.numel() == 0:
-        return embedding_matrix.sum() * 0.0
     gold_vectors = F.embedding(gold, embedding_matrix).float()
     pred_vectors = F.embedding(pred, embedding_matrix).float()
-    return (1.0 - F.cosine_similarity(gold_vectors, pred_vectors, dim=-1)).mean()
+    per_position = 1.0 - F.cosine_similarity(gold_vectors, pred_vectors, dim=-1)
+    if valid is None:
+        return per_position.mean()
+    return (per_position * valid).sum() / valid.sum().clamp(min=1)
 
 
 def sentence_regularization(
@@ -64,20 +67,39 @@ def sentence_regularization(
 
 
 def replaced_token_labels(
-    disc_input: torch.Tensor, original_ids: torch.Tensor, masked: torch.Tensor, corrected_sample: torch.Tensor | None
+    disc_input: torch.Tensor, original_ids: torch.Tensor, corrected: torch.Tensor | None
 ) -> torch.Tensor:
-    """ELECTRA discriminator labels: 1 (replaced) where the input differs from the original, except where
-    the generator's sample is a synonym of the gold token (hard correction: labelled original, 0)."""
+    """ELECTRA discriminator labels [B, L]: 1 (replaced) where the input differs from the original, except
+    where `corrected` [B, L] marks a generator sample that is a synonym of the gold token (hard
+    correction: labelled original, 0)."""
     replaced = disc_input != original_ids
-    if corrected_sample is None:
+    if corrected is None:
         return replaced.long()
-    corrected_full = torch.zeros_like(masked)
-    corrected_full[masked] = corrected_sample
-    return (replaced & ~corrected_full).long()
+    return (replaced & ~corrected).long()
 
 
-def discriminator_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def discriminator_loss(
+    logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Binary cross-entropy of replaced-token detection, averaged over the real (non-pad) tokens."""
     per_token = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
+    if attention_mask is None:
+        return per_token.mean()
     weights = attention_mask.to(per_token.dtype)
     return (per_token * weights).sum() / weights.sum().clamp(min=1)
+
+
+def false_negative_counts(
+    gold: torch.Tensor, pred: torch.Tensor, corrected: torch.Tensor, valid: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The paper's Table 2 counts over a [B, P] batch of masked slots, as 0-d float tensors that add up over
+    batches and ranks: sequences, masked positions, mismatched predictions, corrected ones (false
+    negatives), and sequences with at least one correction. Training metrics and `fn-stats` both use it."""
+    corrected = corrected & valid
+    return {
+        "sequences": valid.new_ones(valid.shape[0], dtype=torch.float32).sum(),
+        "masked": valid.sum().float(),
+        "mismatched": ((pred != gold) & valid).sum().float(),
+        "corrected": corrected.sum().float(),
+        "sequences_corrected": corrected.any(dim=1).sum().float(),
+    }

@@ -21,18 +21,21 @@ import argparse
 import os
 
 from truneg.errors import UserError, exit_on_user_error
+from truneg.export import save_hf_configs
 
 DEFAULT_OUTPUT_DIR = "runs/pretrain"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The pre-training arguments (shared with `truneg preflight`)."""
     import deepspeed
 
     from truneg.data import DEFAULT_TOKENIZER, DEMO_CORPUS
-    from truneg.models import MAX_POSITIONS, PRESETS, check_preset
+    from truneg.models import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="electra-tiny", help=f"preset: {', '.join(PRESETS)}")
+    parser.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default: electra-tiny, or with --init-from "
+                        "the checkpoint's own architecture)")
     parser.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)],
                         help="text files, folders or globs (blank lines separate documents), or hf:NAME[:CONFIG][@SPLIT]#COLUMN")
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
@@ -48,56 +51,91 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu")
     parser.add_argument("--gradient-accumulation-steps", type=int, help="override gradient_accumulation_steps")
     parser.add_argument("--lr", type=float, help="override the optimizer's (and the warmup's peak) learning rate")
-    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--dropout", type=float,
+                        help="dropout of every layer (default: 0.1, or with --init-from the checkpoint's own)")
     parser.add_argument("--hc", default="none", help="hard correction: none | wordnet | embedding | FILE.npz")
     parser.add_argument("--hc-embeddings", help="for --hc embedding: a word2vec file or an HF model folder")
     parser.add_argument("--hc-prediction", choices=["argmax", "sample", "default"], default="default",
                         help="the prediction HC judges (default: argmax for BERT, the generator's sample for ELECTRA)")
     parser.add_argument("--sr", choices=["none", "word", "sent"], default="none", help="soft regularization")
     parser.add_argument("--sr-weight", type=float, default=1.0)
+    parser.add_argument("--sr-sent-target", choices=["masked", "original"], default="masked",
+                        help="H_s of --sr sent: the masked sentence (the MLM's own pass, default) or the original")
+    parser.add_argument("--max-predictions", type=int,
+                        help="masked positions per sequence, at most (default: 15%% of --seq-len rounded up to 4: "
+                             "20 at 128, 80 at 512)")
     parser.add_argument("--max-nonfinite-steps", type=int, default=10,
                         help="stop after this many non-finite losses in a row (fp32/bf16)")
     parser.add_argument("--cache-dir", type=Path, help="tokenized-corpus cache (default: $TRUNEG_CACHE or ~/.cache/truneg)")
     parser.add_argument("--num-proc", type=int, help="tokenizer processes")
+    parser.add_argument("--data-workers", type=int,
+                        help="DataLoader workers that read and mask ahead (default: 2 on GPUs, 0 on CPU ranks)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed's engine.compile)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    parser = deepspeed.add_config_arguments(parser)
-    args = parser.parse_args(argv)
+    parser.add_argument("--keep-checkpoints", type=int, default=0,
+                        help="keep only the newest N complete checkpoints (0: keep all)")
+    return deepspeed.add_config_arguments(parser)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from truneg.models import MAX_POSITIONS, check_preset
+
+    args = build_parser().parse_args(argv)
     for name in ("seq_len", "max_steps", "log_steps", "max_nonfinite_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    check_preset(args.model)
+    if args.model is not None:
+        check_preset(args.model)
+    if args.max_predictions is not None and not 1 <= args.max_predictions <= args.seq_len:
+        raise UserError(f"--max-predictions {args.max_predictions} must be between 1 and --seq-len {args.seq_len}")
     if args.seq_len > MAX_POSITIONS:
         raise UserError(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} or less")
     return args
 
 
+def checked_start(argv: list[str] | None = None):
+    """Parse the arguments and run every check that needs no process group (see build.check_start)."""
+    from truneg import build, distributed
+    from truneg.run_config import RunConfig
+
+    cfg = RunConfig.from_args(parse_args(argv))
+    return cfg, build.check_start(cfg, distributed.launch_world_size())
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    from truneg import trainer
+    from truneg import build, checkpoint, distributed, loop, run_dir
+    from truneg.models import architecture
 
-    # 1. Processes: one per device, gloo on the CPU.
-    rank, world_size = trainer.init_distributed()
+    # 1. Checks that need no process group: the DeepSpeed config for this world size, the resume point,
+    #    the synonym table, and the corpus (prepared once per node, before any collective could time out).
+    cfg, start = checked_start(argv)
 
-    # 2. Config and output folder: refuse to mix two runs in one folder.
-    ds_config = trainer.deepspeed_config(args, world_size)
-    trainer.claim_output_dir(args, ds_config, rank)
+    # 2. Processes: one per device, gloo on the CPU; every node must see the same output folder.
+    rank, world_size = distributed.init_distributed()
+    run_dir.check_shared_output_dir(cfg.output_dir, rank, world_size)
 
-    # 3. Where to resume from; a checkpoint of another world size goes through DeepSpeed's universal format.
-    resume = trainer.find_resume_point(args, ds_config, world_size)
+    # 3. Data: the memory-mapped blocks on every rank.
+    blocks, data_record = build.open_blocks(cfg, start.tokenizer)
 
-    # 4. Data: tokenize and pack once per node (cached, memory-mapped).
-    tokenizer, blocks = trainer.load_blocks(args)
+    # 4. The model; then claim the output folder for this run (refuse to mix two runs in one folder).
+    model = build.build_model(cfg, start.table, vocab_size=len(start.tokenizer))
+    identity = run_dir.run_identity(cfg, start.ds_config, {"architecture": architecture(model),
+                                                           "synonym_table": build.table_fingerprint(start.table),
+                                                           **data_record})
+    run_dir.claim_output_dir(cfg, identity, rank)
+    tag = checkpoint.prepare_universal(start.resume, world_size, rank) if start.resume else None
 
-    # 5. Model and objective (HC's synonym lookup, SR), on DeepSpeed.
-    engine = trainer.build_engine(args, ds_config, tokenizer)
+    # 5. The DeepSpeed engine (ZeRO, precision, optimizer and scheduler from the config).
+    engine = build.build_engine(cfg, model, start.ds_config)
+    if rank == 0:
+        save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer)
 
     # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states.
-    state = trainer.TrainState.start(args, engine, blocks, tokenizer, resume)
+    state = loop.start_state(cfg, engine, blocks, start.tokenizer, start.resume, tag)
 
     # 7. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.
-    trainer.train(args, engine, state)
+    loop.train(cfg, engine, state)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import random
 import re
 from functools import lru_cache
 
+import numpy as np
+
 from truneg.errors import UserError
 
 WORDNET_POS = {"NN": "n", "VB": "v", "JJ": "a", "RB": "r"}
@@ -104,6 +106,24 @@ def swap_syn_glue(rows: list[tuple], seed: int) -> tuple[list[tuple], list[int]]
     return kept, index
 
 
+def classify(model, tokenizer, rows: list[tuple], regression: bool, max_len: int = 128, batch_size: int = 64) -> np.ndarray:
+    """A classifier's predictions (a class, or a score for STS-B) for (text_a, text_b, label) rows; each batch
+    is padded to its longest example."""
+    import torch
+
+    model.eval()
+    outputs = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start: start + batch_size]
+            b = [r[1] for r in batch] if batch[0][1] is not None else None
+            enc = tokenizer([r[0] for r in batch], b, truncation=True, max_length=max_len, padding=True,
+                            return_tensors="pt")
+            logits = model(**enc).logits
+            outputs.append(logits.squeeze(-1).float() if regression else logits.argmax(-1))
+    return torch.cat(outputs).numpy()
+
+
 def evaluate_glue(task_name: str, model_dir, data_dir, output_dir, seed: int = 42, max_eval_samples: int | None = None) -> dict:
     """Score a fine-tuned classifier on the original dev set and its SwapSynWordNet transform."""
     import json
@@ -111,7 +131,7 @@ def evaluate_glue(task_name: str, model_dir, data_dir, output_dir, seed: int = 4
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from truneg.glue import TASKS, compute_metrics, encode, predict, read_tsv, resolve_model_dir
+    from truneg.glue import TASKS, compute_metrics, read_tsv, resolve_model_dir
 
     if task_name not in TASKS:
         raise UserError(f"unknown GLUE task {task_name!r}; choose one of {', '.join(TASKS)}")
@@ -125,8 +145,8 @@ def evaluate_glue(task_name: str, model_dir, data_dir, output_dir, seed: int = 4
     metric = "matthews_correlation" if task_name == "cola" else "spearmanr" if regression else "accuracy"
     scores = {}
     for name, subset in (("original", [rows[i] for i in index]), ("transformed", transformed)):
-        data = encode(tokenizer, subset, 128)
-        scores[name] = 100 * compute_metrics(task_name, predict(model, data, 64, regression, "cpu"), data["labels"].numpy())[metric]
+        predictions = classify(model, tokenizer, subset, regression)
+        scores[name] = 100 * compute_metrics(task_name, predictions, np.array([r[2] for r in subset]))[metric]
     results = {"task": task_name, "transform": "SwapSynWordNet", "metric": metric, **scores,
                "drop": scores["original"] - scores["transformed"], "examples": len(index), "dropped_out": len(rows) - len(index),
                "seed": seed}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import re
 import string
 from pathlib import Path
@@ -84,6 +83,10 @@ def features(tokenizer, examples: list[dict], max_len: int, stride: int, train: 
         enc["offset_mapping"][i] = [o if sequence_ids[k] == 1 else None for k, o in enumerate(offsets)]
         if not train:
             continue
+        if not example["answers"]:  # no gold answer (an unanswered dev question): point at [CLS]
+            starts.append(0)
+            ends.append(0)
+            continue
         start_char = example["answer_starts"][0]
         end_char = start_char + len(example["answers"][0])
         context = [k for k, s in enumerate(sequence_ids) if s == 1]
@@ -136,14 +139,43 @@ def predict_answers(model, tokenizer, examples: list[dict], max_seq_len: int, do
     return best_answers(examples, feats, np.concatenate(starts), np.concatenate(ends))
 
 
-# --- fine-tuning ----------------------------------------------------------------------------------
+# --- fine-tuning ---------------------------------------------------------------------------------
+
+class _Features(torch.utils.data.Dataset):
+    """The windows' model inputs and start/end labels (all padded to --max-seq-len already)."""
+
+    def __init__(self, feats: dict):
+        self.tensors = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor)}
+
+    def __len__(self) -> int:
+        return len(self.tensors["input_ids"])
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
+class _SquadScorer:
+    """Trainer's compute_metrics for SQuAD: the best span of each question's windows, EM and F1; it keeps the
+    last predictions for predictions.json."""
+
+    def __init__(self, examples: list[dict], feats: dict):
+        self.examples, self.feats, self.predictions = examples, feats, {}
+
+    def __call__(self, prediction) -> dict[str, float]:
+        start_logits, end_logits = prediction.predictions
+        self.predictions = best_answers(self.examples, self.feats, start_logits, end_logits)
+        return evaluate_predictions(self.examples, self.predictions)
+
 
 def finetune_squad(model_dir, train_file, dev_file, output_dir, epochs: int = 2, lr: float = 1e-4, batch_size: int = 32,
                    max_seq_len: int = 384, doc_stride: int = 128, max_train_samples: int | None = None,
-                   max_eval_samples: int | None = None, seed: int = 42, layerwise_decay: float = 0.8) -> dict:
-    from transformers import AutoModelForQuestionAnswering, AutoTokenizer, get_linear_schedule_with_warmup
+                   max_eval_samples: int | None = None, seed: int = 42, layerwise_decay: float = 0.8,
+                   deepspeed_config: str | None = None) -> dict:
+    """Fine-tune on HF's Trainer (glue.build_trainer: the same recipe) and score dev; writes results.json,
+    predictions.json and the model."""
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer
 
-    from truneg.glue import layerwise_param_groups, resolve_model_dir, seed_everything
+    from truneg.glue import build_trainer, resolve_model_dir, seed_everything, train_and_score
 
     model_dir = resolve_model_dir(model_dir)
     train_examples = [e for e in read_squad(train_file) if e["answers"]][:max_train_samples]
@@ -153,30 +185,20 @@ def finetune_squad(model_dir, train_file, dev_file, output_dir, epochs: int = 2,
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"{model_dir}'s tokenizer is not a fast tokenizer; SQuAD needs offset mappings")
     model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
-    train = features(tokenizer, train_examples, max_seq_len, doc_stride, train=True)
-    tensors = {k: v for k, v in train.items() if isinstance(v, torch.Tensor)}
-    n = len(tensors["input_ids"])
-    total = math.ceil(n / batch_size) * epochs
-    optimizer = torch.optim.AdamW(layerwise_param_groups(model, lr, layerwise_decay, 0.01), lr=lr, eps=1e-6)
-    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(0.1 * total), max(total, 1))
-    order = torch.Generator().manual_seed(seed)
-    model.train()
-    for _ in range(epochs):
-        index = torch.randperm(n, generator=order)
-        for start in range(0, n, batch_size):
-            batch = {k: v[index[start: start + batch_size]] for k, v in tensors.items()}
-            model(**batch).loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-    predictions = predict_answers(model, tokenizer, dev_examples, max_seq_len, doc_stride)
-    results = {"model": str(model_dir), **evaluate_predictions(dev_examples, predictions),
-               "train_samples": len(train_examples), "eval_samples": len(dev_examples), "epochs": epochs, "lr": lr, "seed": seed}
+    train = _Features(features(tokenizer, train_examples, max_seq_len, doc_stride, train=True))
+    dev_feats = features(tokenizer, dev_examples, max_seq_len, doc_stride, train=True)
+    scorer = _SquadScorer(dev_examples, dev_feats)
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    (output_dir / "predictions.json").write_text(json.dumps(predictions, indent=1) + "\n", encoding="utf-8")
-    model.save_pretrained(output_dir / "model")
-    tokenizer.save_pretrained(output_dir / "model")
+    trainer = build_trainer(model, tokenizer, train, {"dev": _Features(dev_feats)}, scorer, output_dir, epochs=epochs, lr=lr,
+                            batch_size=batch_size, seed=seed, layerwise_decay=layerwise_decay,
+                            deepspeed_config=deepspeed_config)
+    logged = train_and_score(trainer, epochs)
+    results = {"model": str(model_dir), "exact_match": logged["eval_dev_exact_match"], "f1": logged["eval_dev_f1"],
+               "train_samples": len(train_examples), "eval_samples": len(dev_examples), "epochs": epochs, "lr": lr,
+               "seed": seed}
+    trainer.save_model(str(output_dir / "model"))
+    if trainer.is_world_process_zero():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        (output_dir / "predictions.json").write_text(json.dumps(scorer.predictions, indent=1) + "\n", encoding="utf-8")
     return results

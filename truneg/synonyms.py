@@ -71,6 +71,21 @@ class SynonymTable:
         return vocab_sha256(self.tokens)
 
     @property
+    def content_sha256(self) -> str:
+        """sha256 of what the table says: the vocab, then the CSR arrays as little-endian int64 / int32.
+
+        Independent of the `.npz` container (compression, zip timestamps) and of `source`/`options`, so
+        two builds that give the same synonyms have the same hash and any changed row changes it. The
+        run record stores it, so a resumed run knows whether its table is still the one it trained with.
+        """
+        digest = hashlib.sha256()
+        digest.update(b"truneg-synonym-table-v1\n")
+        digest.update(self.sha256.encode("ascii"))
+        digest.update(np.ascontiguousarray(self.indptr, dtype="<i8").tobytes())
+        digest.update(np.ascontiguousarray(self.indices, dtype="<i4").tobytes())
+        return digest.hexdigest()
+
+    @property
     def num_entries(self) -> int:
         return int(self.indptr[-1])
 
@@ -135,8 +150,7 @@ class SynonymTable:
             raise UserError(f"synonym table {path} does not exist; build one with `truneg synonyms build`")
         try:
             with np.load(path, allow_pickle=False) as npz:
-                indptr = npz["indptr"].astype(np.int64, copy=False)
-                indices = npz["indices"].astype(np.int32, copy=False)
+                indptr, indices = npz["indptr"], npz["indices"]
                 tokens = npz["vocab"].tobytes().decode("utf-8").split("\n")
                 stored_sha = str(npz["vocab_sha256"])
                 source = str(npz["source"])
@@ -146,17 +160,10 @@ class SynonymTable:
                 f"synonym table {path} is corrupt or truncated ({type(err).__name__}); rebuild it with "
                 "`truneg synonyms build`"
             ) from None
+        problem = csr_problem(indptr, indices, tokens, stored_sha)
+        if problem:
+            raise UserError(f"synonym table {path} is inconsistent: {problem}; rebuild it with `truneg synonyms build`")
         table = cls(indptr, indices, tokens, source, options)
-        ok = (
-            len(indptr) == len(tokens) + 1
-            and indptr[0] == 0
-            and indptr[-1] == len(indices)
-            and np.all(np.diff(indptr) >= 0)
-            and (len(indices) == 0 or (indices.min() >= 0 and indices.max() < len(tokens)))
-            and table.sha256 == stored_sha
-        )
-        if not ok:
-            raise UserError(f"synonym table {path} is inconsistent; rebuild it with `truneg synonyms build`")
         if expect_tokens is not None and vocab_sha256(expect_tokens) != stored_sha:
             raise UserError(
                 f"synonym table {path} was built for vocab sha256 {stored_sha[:12]}..., but the model's vocab "
@@ -165,13 +172,50 @@ class SynonymTable:
         return table
 
 
+def csr_problem(indptr: np.ndarray, indices: np.ndarray, tokens: Sequence[str], stored_sha: str) -> str | None:
+    """What is wrong with a stored CSR, in a few words, or None when it is a valid table.
+
+    `SynonymLookup` turns the CSR into keys `row * V + col` and binary-searches them, which is only right
+    when every row is sorted and unique; a self-pair would make a word its own synonym.
+    """
+    vocab_size = len(tokens)
+    if indptr.dtype != np.int64 or indptr.shape != (vocab_size + 1,):
+        return f"indptr is {indptr.dtype} {list(indptr.shape)}, expected int64 [{vocab_size + 1}] (vocab size + 1)"
+    if indices.dtype != np.int32 or indices.ndim != 1:
+        return f"indices is {indices.dtype} {list(indices.shape)}, expected a 1-D int32 array"
+    if vocab_sha256(tokens) != stored_sha:
+        return "its vocab does not match its stored vocab sha256"
+    if indptr[0] != 0 or indptr[-1] != len(indices) or np.any(np.diff(indptr) < 0):
+        return f"indptr must rise from 0 to len(indices) = {len(indices)}"
+    if len(indices) and (indices.min() < 0 or indices.max() >= vocab_size):
+        return f"indices must lie in [0, {vocab_size})"
+    rising = np.diff(indices.astype(np.int64)) > 0
+    row_starts = indptr[1:-1]
+    rising[row_starts[(row_starts > 0) & (row_starts < len(indices))] - 1] = True  # across rows: no order
+    if not rising.all():
+        position = int(np.argmin(rising)) + 1
+        row = int(np.searchsorted(indptr, position, side="right")) - 1
+        return f"row {row} ({tokens[row]!r}) is not sorted and unique, which the lookup's binary search needs"
+    rows = np.repeat(np.arange(vocab_size, dtype=np.int64), np.diff(indptr))
+    if np.any(rows == indices):
+        row = int(rows[rows == indices][0])
+        return f"row {row} ({tokens[row]!r}) lists the word as its own synonym"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------
 # Sources
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_from_wordnet(tokens: Sequence[str], morphy: bool = False, progress: bool = False) -> SynonymTable:
-    """Synonyms = single-word lemma names of all synsets of the word that are whole vocab tokens.
+def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: bool = False) -> SynonymTable:
+    """Synonyms = single-word lemma names of the word's synsets that are whole vocab tokens.
+
+    With `morphy` (the default) the word's synsets are exactly `nltk.corpus.wordnet.synsets(word)`, which
+    lemmatises first: "ran" gets run's synsets, and so "run" becomes a synonym of "ran" (not the reverse:
+    the table is not symmetric). The paper retrieves synonyms "for each token from model vocabulary" with
+    WordNet and counts "tokens ... written in different forms" among reasonable predictions. Without it
+    (`truneg synonyms build --exact`) only synsets listing the word itself count, a symmetric relation.
 
     nltk's index (`lemma -> pos -> synset offsets`) is loaded eagerly; parsing synsets is lazy and is
     what makes a per-word `wn.synsets()` build slow. Two lemmas share a synset iff they share a
@@ -334,12 +378,18 @@ class SynonymLookup(nn.Module):
         self.register_buffer("keys", torch.from_numpy(table.keys()), persistent=False)
 
     def is_synonym(self, gold: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
-        """Bool tensor shaped like `gold`: True where `pred` is in the synonym row of `gold`."""
+        """Bool tensor shaped like `gold`: True where `pred` is in the synonym row of `gold`.
+
+        An id outside the table's vocab [0, V) is never a synonym: unbounded, `pred = V + k` would read
+        as key `(gold + 1) * V + k`, a synonym of the next row (a model whose output vocab exceeds V).
+        """
         if self.keys.numel() == 0:
             return torch.zeros_like(gold, dtype=torch.bool)
-        query = gold.long() * self.vocab_size + pred.long()
-        position = torch.searchsorted(self.keys, query.reshape(-1)).clamp_(max=self.keys.numel() - 1)
-        return (self.keys[position] == query.reshape(-1)).reshape(gold.shape)
+        gold, pred = gold.long(), pred.long()
+        in_vocab = (gold >= 0) & (gold < self.vocab_size) & (pred >= 0) & (pred < self.vocab_size)
+        query = (gold * self.vocab_size + pred).reshape(-1)
+        position = torch.searchsorted(self.keys, query).clamp_(max=self.keys.numel() - 1)
+        return (self.keys[position] == query).reshape(gold.shape) & in_vocab
 
     def forward(self, gold: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
         return self.is_synonym(gold, pred)

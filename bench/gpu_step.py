@@ -1,0 +1,259 @@
+"""Stages 3 and 4 of bench/gpu_check.sh, inside the training step: host syncs per phase, and throughput
+(samples/s, MFU, peak memory) of BERT-large and ELECTRA-base."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+from bench.gpu_runs import (
+    DS_CONFIGS,
+    Mode,
+    Summary,
+    common_args,
+    config_for,
+    config_split,
+    patched,
+    run_pretrain,
+)
+
+# Training TFLOPs per sample at seq 128 (bench/flops.py, DeepSpeed's flops profiler; README "Measured figures").
+TFLOPS_PER_SAMPLE = {("bert-large", 128): 0.241, ("electra-base", 128): 0.078}
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "V100": 125.0}  # dense bf16 (V100: fp16)
+
+
+class SyncCounter:
+    """Host syncs per phase. On CUDA: torch.cuda.set_sync_debug_mode("warn") and the warnings it raises. On the
+    CPU (dry run), a proxy: the ATen ops that make the host wait for the device (item, nonzero, masked_select,
+    boolean indexing, ...), seen by a TorchDispatchMode."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.counts, self.where = cuda, {}, {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        import torch
+
+        sites: Counter = Counter()
+        if self.cuda:
+            import warnings
+
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            for w in caught:
+                if "synchroniz" in str(w.message):
+                    sites[f"{_short(w.filename)}:{w.lineno}"] += 1
+        else:
+            with _CpuSyncOps(sites):
+                yield
+        self.counts[name], self.where[name] = sum(sites.values()), sites
+
+
+def _short(filename: str) -> str:
+    parts = Path(filename).parts
+    for anchor in ("truneg", "deepspeed", "transformers", "torch"):
+        if anchor in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(anchor) - 1:])
+    return Path(filename).name
+
+
+class _CpuSyncOps:
+    def __init__(self, sites: Counter):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten = torch.ops.aten
+        syncing = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal,
+                   aten._unique2, aten.unique_consecutive, aten.unique_dim, aten.repeat_interleave}
+        indexing = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                packet = func.overloadpacket
+                bool_index = packet in indexing and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+                if packet in syncing or bool_index:
+                    frame = next((f for f in reversed(traceback.extract_stack()[:-1])
+                                  if "/torch/" not in f.filename and not f.filename.endswith("gpu_step.py")), None)
+                    sites[f"{packet.__name__} at {_short(frame.filename)}:{frame.lineno}" if frame else packet.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def stage_syncs(mode: Mode, note: Summary, work: Path) -> bool:
+    """Stage 3: one BERT-large HC+SR step (bf16 ZeRO-2), host syncs counted per phase; the goal is 0 in the
+    forward and the backward. The real loop's set-up (truneg.pretrain.main) with the loop replaced."""
+    import torch
+
+    from truneg import loop
+
+    shipped = DS_CONFIGS / "bert_large_a100_bf16_zero2.json"
+    model = mode.preset("bert", large=True)
+    argv = common_args(mode, model, config_for(shipped, mode, work), mode.sync_micro, 1)
+    argv += ["--max-steps", "10", "--save-steps", "0", "--hc", "wordnet", "--sr", "word", "--overwrite"]
+    counter = SyncCounter(cuda=not mode.dry_run)
+
+    def measure(cfg, engine, state) -> None:
+        stop, guard = loop.StopSignal(), loop.SkipGuard(engine)
+        for _ in range(2):  # warm-up: allocator, library handles, lazy initialisation
+            loop.train_step(engine, state, stop, guard, set())
+        batch = next(state.batches)
+        with counter.phase("input copy"):
+            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+        with counter.phase("forward"):
+            loss, stats = engine(**batch)
+        with counter.phase("metrics"):
+            state.metrics.add(stats, loss, torch.isfinite(loss.detach()), engine.train_micro_batch_size_per_gpu())
+        with counter.phase("backward"):
+            engine.backward(loss)
+        with counter.phase("optimizer step"):
+            engine.step()
+        with counter.phase("whole train_step"):
+            loop.train_step(engine, state, stop, guard, set())
+
+    with patched(loop, "train", measure):
+        run = run_pretrain(argv, work / "stage3")
+    if not run.ok or "whole train_step" not in counter.counts:
+        note(f"  syncs: FAIL {run.error or 'the step did not run'}")
+        return False
+    how = "torch.cuda.set_sync_debug_mode" if counter.cuda else "CPU proxy: ATen ops that wait on the device"
+    note(f"  syncs ({model} HC+SR, {run.engine['precision']} ZeRO-{run.engine['zero']}, micro {mode.sync_micro}; {how}): "
+         + ", ".join(f"{name} {n}" for name, n in counter.counts.items()))
+    for name, sites in counter.where.items():
+        if sites:
+            note(f"    {name}: " + "; ".join(f"{site} x{n}" for site, n in sites.most_common(4)))
+    ok = counter.counts["forward"] == 0 and counter.counts["backward"] == 0
+    note(f"  syncs: {'PASS' if ok else 'FAIL'} forward {counter.counts['forward']}, backward {counter.counts['backward']} (goal 0)")
+    return ok
+
+
+def measure_gemm(cuda: bool) -> float:
+    """TFLOP/s of a large bf16 GEMM (CUDA, random data, events, median of 20) or of an fp32 one on the CPU."""
+    import torch
+
+    n = 8192 if cuda else 512
+    dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    times = []
+    for i in range(23):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            a @ b
+            seconds = time.perf_counter() - t0
+        if i >= 3:
+            times.append(seconds)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+BENCH_VARIANTS = [  # (name, family, config, HC+SR, --compile); in this order, so a timeout cuts the least needed
+    ("bert zero2 baseline", "bert", "bert_large_a100_bf16_zero2.json", False, False),
+    ("bert zero2 hc+sr", "bert", "bert_large_a100_bf16_zero2.json", True, False),
+    ("electra zero2 baseline", "electra", "electra_base_a100_bf16_zero2.json", False, False),
+    ("electra zero2 hc+sr", "electra", "electra_base_a100_bf16_zero2.json", True, False),
+    ("bert zero2 hc+sr compile", "bert", "bert_large_a100_bf16_zero2.json", True, True),
+    ("bert zero3 baseline", "bert", "bert_large_a100_bf16_zero3.json", False, False),
+    ("bert zero3 hc+sr", "bert", "bert_large_a100_bf16_zero3.json", True, False),
+]
+
+
+def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
+    """Stage 4: samples/s, MFU and peak memory of BERT-large and ELECTRA-base at seq 128 in bf16."""
+    import torch
+
+    cuda = not mode.dry_run
+    gemm = measure_gemm(cuda)
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None) if cuda else None
+    note(f"  GEMM: {gemm:.3g} TFLOP/s ({'bf16 8192^3' if cuda else 'fp32 512^3'}); nominal peak "
+         f"{peak if peak else 'n/a'}")
+    if mode.dry_run:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        real_compile = DeepSpeedEngine.compile
+        # Dynamo with the eager backend: the graph capture is checked, Inductor's minutes of C++ are not paid.
+        DeepSpeedEngine.compile = lambda self, backend=None, **kw: real_compile(self, backend="eager", **kw)
+    rates: dict[str, float] = {}
+    all_ok = True
+    for variant, family, config_name, hc_sr, compiled in BENCH_VARIANTS:
+        shipped = DS_CONFIGS / config_name
+        config = config_for(shipped, mode, work)
+        model = mode.preset(family, large=True)
+        micro = mode.bench_micro or config_split(config)[1]
+        argv = common_args(mode, model, config, micro, mode.bench_accum)
+        argv += ["--max-steps", str(mode.bench_steps), "--log-steps", str(mode.bench_log), "--save-steps", "0",
+                 "--overwrite"]
+        argv += ["--hc", "wordnet", "--sr", "word"] if hc_sr else []
+        argv += ["--compile"] if compiled else []
+        held = torch.cuda.memory_allocated() if cuda else 0  # what earlier variants left behind, if anything
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        run = run_pretrain(argv, work / "stage4" / variant.replace(" ", "_").replace("+", ""))
+        timed = [r["samples_per_sec"] for r in run.records[1:]]  # the first interval holds warm-up and compile
+        if not run.ok or not timed:
+            all_ok = False
+            note(f"  {variant}: FAIL {run.error or 'no timed interval'}")
+            continue
+        rate = rates[variant] = statistics.median(timed)
+        first_s = run.records[0]["samples"] / run.records[0]["samples_per_sec"]
+        memory = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB ({held / 2**30:.1f} held before)" if cuda
+                  else f"process peak RSS {_peak_rss_gib():.1f} GiB")
+        per_sample = tflops_per_sample(model, mode.seq_len)
+        if per_sample is None:
+            mfu = "MFU n/a (no FLOPs count)"
+        else:
+            mfu = f"MFU {rate * per_sample / peak:.1%} of {peak:g}, " if peak else "MFU "
+            mfu += f"{rate * per_sample / gemm:.1%} of the GEMM ({per_sample:.3g} TFLOPs a sample)"
+        note(f"  {variant}: {model} seq {mode.seq_len} micro {micro} x {mode.bench_accum}, {run.engine['precision']} "
+             f"ZeRO-{run.engine['zero']} {run.engine['optimizer']}: {rate:.1f} samples/s; {mfu}; {memory}; "
+             f"first {mode.bench_log} steps {first_s:.1f} s")
+        base = variant.replace(" hc+sr", " baseline").replace(" compile", "")
+        if variant.endswith("compile") and variant.replace(" compile", "") in rates:
+            note(f"    --compile speed-up: {rate / rates[variant.replace(' compile', '')]:.3f}x")
+        elif "hc+sr" in variant and base in rates:
+            note(f"    HC+SR step time / baseline: {rates[base] / rate:.3f} (goal <= 1.01)")
+    return all_ok
+
+
+@functools.cache
+def tflops_per_sample(preset: str, seq_len: int) -> float | None:
+    """Training TFLOPs per sample: bench/flops.py's figure where the README has it (the two GPU presets at seq
+    128, no device time spent), else bench/flops.py run here (DeepSpeed's flops profiler, 3x the forward)."""
+    if (preset, seq_len) in TFLOPS_PER_SAMPLE:
+        return TFLOPS_PER_SAMPLE[preset, seq_len]
+    try:
+        from bench.flops import train_flops_per_sample
+
+        return train_flops_per_sample(preset, seq_len) / 1e12
+    except Exception:  # a broken FLOPs count costs the MFU column, not the stage
+        traceback.print_exc()
+        return None
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

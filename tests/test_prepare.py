@@ -1,0 +1,173 @@
+"""`truneg prepare` and prepared folders: an independent packing reference, resume, parts, dtypes, hf:, bad input."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from truneg import cli, prepare
+from truneg.data import load_tokenizer, open_prepared, open_training_blocks, pack_blocks
+from truneg.errors import UserError
+
+SEQ = 16
+UNIT = 4096  # small units: a few per test corpus, so parts, workers and resume have several shards
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, small_corpus) -> Path:
+    """Three files: the novel's start with CRLF line ends, blank lines, an undecodable byte and an empty file."""
+    folder = tmp_path_factory.mktemp("texts")
+    text = small_corpus.read_bytes()[:20_000]
+    (folder / "a.txt").write_bytes(text[:9000].replace(b"\n", b"\r\n"))
+    (folder / "b.txt").write_bytes(b"caf\xe9 society\n\n\n" + text[9000:])
+    (folder / "c.txt").write_bytes(b"")
+    return folder
+
+
+def reference_stream(files: list[Path], tokenizer, tmp: Path) -> np.ndarray:
+    """Today's pipeline, independently: datasets' `text` builder, the HF tokenizer call, [SEP] per blank line."""
+    import datasets
+
+    rows = list(datasets.load_dataset("text", data_files=[str(f) for f in files], split="train",
+                                 encoding_errors="replace", cache_dir=str(tmp / "hf"))["text"])
+    ids = tokenizer(rows, add_special_tokens=False)["input_ids"]
+    return np.array([t for row, toks in zip(rows, ids) for t in (toks if row.strip() else [tokenizer.sep_token_id])])
+
+
+def shard_bytes(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((folder / "shards").glob("*.bin"))}
+
+
+def test_blocks_equal_todays_packing_of_the_same_text(tmp_path, corpus, tokenizer):
+    files = sorted(corpus.glob("*.txt"))
+    stream = reference_stream(files, tokenizer, tmp_path)
+    one = open_prepared(prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "one", 1, progress=False), tokenizer, SEQ)
+    expect = pack_blocks(stream, SEQ, tokenizer.cls_token_id, tokenizer.sep_token_id)
+    assert one.shape == expect.shape and (one[np.arange(len(one))] == expect).all()
+    # Several units: each unit is packed alone (its tail dropped), and the units' streams, end to end,
+    # are the whole corpus's stream: the line-aligned cuts lose and split no line.
+    many = prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "many", 1, unit_bytes=UNIT, progress=False)
+    index = open_prepared(many).index
+    assert len(index["shards"]) >= 4 and sum(s["tokens"] for s in index["shards"]) == len(stream)
+    at, body = 0, SEQ - 2
+    for shard in index["shards"]:
+        blocks = np.fromfile(many / shard["file"], dtype=np.uint16).reshape(-1, SEQ)
+        assert (blocks[:, 1:-1].reshape(-1) == stream[at: at + shard["blocks"] * body]).all()
+        at += shard["tokens"]
+
+
+def test_killed_prepare_resumes_to_the_same_shards(tmp_path, corpus, tokenizer):
+    whole = prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "whole", 1, unit_bytes=UNIT, progress=False)
+    killed = prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "killed", 1, unit_bytes=UNIT, progress=False)
+    shards = sorted((killed / "shards").glob("*.bin"))
+    # What a kill leaves: no index; a shard renamed but never committed (truncated, its record lost);
+    # a half-written temporary file and no shard for the next unit.
+    (killed / "index.json").unlink()
+    (killed / "part-0-of-1.json").unlink()
+    shards[1].with_suffix(".json").unlink()
+    shards[1].write_bytes(shards[1].read_bytes()[:100])
+    shards[2].rename(shards[2].with_name(shards[2].name + ".999.tmp"))
+    shards[2].with_suffix(".json").unlink()
+    kept = shards[0].stat().st_mtime_ns
+    with pytest.raises(UserError, match="unfinished preparation"):
+        open_training_blocks(str(killed), tokenizer, SEQ)
+    prepare.prepare(str(corpus), tokenizer, SEQ, killed, 2, unit_bytes=UNIT, progress=False)  # 2 worker processes
+    assert shard_bytes(killed) == shard_bytes(whole) and not list((killed / "shards").glob("*.tmp"))
+    assert shards[0].stat().st_mtime_ns == kept, "a committed shard is not redone"
+    assert open_prepared(killed).fingerprint == open_prepared(whole).fingerprint
+
+
+def test_parts_merged_equal_one_preparation(tmp_path, corpus, tokenizer):
+    whole = open_prepared(prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "whole", 1, unit_bytes=UNIT,
+                                          progress=False))
+    # part 0 and 2 share a folder (one shared file system), part 1 is elsewhere (another machine's disk)
+    for i, folder in ((0, "shared"), (1, "other"), (2, "shared")):
+        prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / folder, 1, part=(i, 3), unit_bytes=UNIT, progress=False)
+    assert not (tmp_path / "shared" / "index.json").exists(), "a part alone is not a prepared folder"
+    with pytest.raises(UserError, match="parts 1/3 are missing"):
+        prepare.merge([tmp_path / "shared"], tmp_path / "merged")
+    merged = open_prepared(prepare.merge([tmp_path / "shared", tmp_path / "other"], tmp_path / "merged"), tokenizer, SEQ)
+    assert merged.fingerprint == whole.fingerprint and len(merged) == len(whole)
+    assert (merged[np.arange(len(merged))] == whole[np.arange(len(whole))]).all()
+    assert {**shard_bytes(tmp_path / "shared"), **shard_bytes(tmp_path / "other")} == shard_bytes(whole.folder)
+
+
+def _word_tokenizer(size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])}
+    vocab.update({f"w{i}": i + 5 for i in range(size - 5)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
+@pytest.mark.parametrize("vocab,dtype", [(65536, "uint16"), (70000, "int32")])
+def test_ids_round_trip_through_the_narrowest_dtype(tmp_path, vocab, dtype):
+    tokenizer = _word_tokenizer(vocab)
+    ids = np.random.default_rng(0).integers(5, vocab, 3000)  # ids past 32767 catch a signed 16-bit store
+    (tmp_path / "c.txt").write_text(" ".join(f"w{i - 5}" for i in ids) + "\n")
+    blocks, _ = open_training_blocks(str(tmp_path / "c.txt"), tokenizer, SEQ, tmp_path / "cache", 1)
+    assert blocks.index["dtype"] == dtype and blocks[np.arange(3)].dtype == np.int32
+    assert (blocks[np.arange(len(blocks))] == pack_blocks(ids, SEQ, 2, 3)).all()
+
+
+def test_hf_sources_from_the_command_line(tmp_path, tokenizer):
+    import datasets
+
+    from truneg.pretrain import parse_args
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    rows = {"train": ["the primary school was closed", "", "another row of text here"] * 4,
+            "test": ["a test split with other words in it"] * 12}
+    for split, texts in rows.items():
+        datasets.Dataset.from_dict({"id": list(range(len(texts))), "content": texts}).to_parquet(folder / f"{split}.parquet")
+    cache = tmp_path / "cache"
+    opened = {}
+    for split in ("train", "test"):
+        args = parse_args(["--train-data", f"hf:{folder}@{split}#content", "--seq-len", "8", "--cache-dir", str(cache)])
+        blocks, fingerprint = open_training_blocks(args.train_data, tokenizer, args.seq_len, args.cache_dir, 1)
+        stream = [t for text in rows[split] for t in tokenizer(text, add_special_tokens=False)["input_ids"]
+                  + [tokenizer.sep_token_id]]  # each row is a document
+        assert (blocks[np.arange(len(blocks))] == pack_blocks(np.array(stream), 8, 101, 102)).all()
+        opened[split] = fingerprint, blocks.folder
+    assert opened["train"][0] != opened["test"][0] and opened["train"][1] != opened["test"][1], "splits do not collide"
+    with pytest.raises(UserError, match="has no column 'text'"):
+        open_training_blocks(parse_args(["--train-data", f"hf:{folder}"]).train_data, tokenizer, 8, cache, 1)
+    with pytest.raises(UserError, match="cannot load HF dataset"):
+        open_training_blocks([f"hf:{tmp_path / 'no_such_dataset'}#text"], tokenizer, 8, cache, 1)
+
+
+def test_bad_prepared_folders_are_one_line_errors_and_nothing_is_overwritten(tmp_path, corpus, tokenizer, capsys):
+    out = prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "p", 1, unit_bytes=UNIT, progress=False)
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    with pytest.raises(UserError, match="--seq-len 16, not 32"):
+        open_training_blocks(str(out), tokenizer, 32)
+    with pytest.raises(UserError, match="another tokenizer"):
+        open_training_blocks(str(out), _word_tokenizer(100), SEQ)
+    with pytest.raises(SystemExit) as exit_:  # the command line: another --seq-len into the same --out
+        cli.main(["prepare", "--train-data", str(corpus), "--seq-len", "32", "--out", str(out), "--num-proc", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "holds a preparation with another seq_len" in err[0]
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.md").write_text("keep me")
+    with pytest.raises(UserError, match="not empty and holds no preparation"):
+        prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "notes", 1, progress=False)
+    shard = sorted((out / "shards").glob("*.bin"))[1]
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(UserError, match="truncated"):
+        open_training_blocks(str(out), tokenizer, SEQ)
+    (out / "index.json").unlink()
+    with pytest.raises(UserError, match="unfinished preparation"):
+        open_training_blocks(str(out), tokenizer, SEQ)

@@ -1,0 +1,297 @@
+"""Shipped DeepSpeed recipes: batch arithmetic at any world size, optimizer vs ZeRO stage against DeepSpeed's
+own code, precision by GPU generation, the launch env file and `truneg preflight`. In-process, CPU only."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from truneg import config as dsc
+from truneg import preflight
+from truneg.errors import UserError
+from truneg.hostfile import check_hostfile, launch_env, write_env_file
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+GPU_CONFIGS = [p for p in CONFIGS if not p.name.startswith("cpu")]
+HOSTS_WORLD = sum(check_hostfile(REPO / "launch" / "hosts").values())
+
+
+def _raw(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _splits(total: int, cap: int, world: int) -> list[tuple[int, int]]:
+    """Every exact (micro, accumulation) split, by enumeration: the reference for resolve_batch_sizes."""
+    return [(m, total // (m * world)) for m in range(1, cap + 1) if total % (m * world) == 0]
+
+
+@pytest.mark.parametrize("world", sorted({1, 8, HOSTS_WORLD}))
+def test_every_gpu_recipe_splits_its_global_batch_at_1_8_and_the_hostfile(world):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    assert HOSTS_WORLD == 32 and len(GPU_CONFIGS) >= 15
+    for path in GPU_CONFIGS:
+        raw = _raw(path)
+        config, choices = dsc.resolve(path, world, 1000, Path("/tmp/unused"))
+        total, cap = raw["train_batch_size"], raw["train_micro_batch_size_per_gpu"]
+        expected = max(_splits(total, cap, world))  # the largest micro-batch that fits: fewest accumulation steps
+        got = (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"])
+        assert got == expected and config["train_batch_size"] == total, (path.name, world, got)
+        assert choices[0].startswith(f"global batch {total} = micro-batch {got[0]} x gradient accumulation {got[1]}")
+        # DeepSpeed parses it (its own world size is 1 without a process group: give it micro and accumulation)
+        parsed = DeepSpeedConfig({k: v for k, v in config.items() if k != "train_batch_size"})
+        assert parsed.train_micro_batch_size_per_gpu * parsed.gradient_accumulation_steps * world == total
+
+
+def test_batch_split_errors_name_the_numbers_and_overrides_keep_the_global_batch():
+    base = {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 16}
+    with pytest.raises(UserError, match=r"train_batch_size 128 does not split over 24 ranks.*--micro-batch-size M") as err:
+        dsc.resolve_batch_sizes(dict(base), 24, None, None)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match=r"--micro-batch-size 24 does not divide train_batch_size 128 / 8 ranks = 16"):
+        dsc.resolve_batch_sizes(dict(base), 8, 24, None)
+    with pytest.raises(UserError, match=r"--gradient-accumulation-steps 3 does not divide"):
+        dsc.resolve_batch_sizes(dict(base), 8, None, 3)
+    config = dict(base)
+    dsc.resolve_batch_sizes(config, 8, 4, None)  # keeps 128: accumulation follows
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]) == (4, 4, 128)
+    config = dict(base)
+    dsc.resolve_batch_sizes(config, 8, None, 8)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 8)
+    config = dict(base)
+    line = dsc.resolve_batch_sizes(config, 1, 32, 1)  # both: the user sets the global batch
+    assert config["train_batch_size"] == 32 and "replaced" in line
+    config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1}  # per-rank (CPU) configs
+    dsc.resolve_batch_sizes(config, 2, None, None)
+    assert config["train_batch_size"] == 32
+    # the two configs the issue found broken: 256 over 32 ranks at micro 32, 256 < 64 x 8
+    for name, world in (("electra_base_v100_fp16_zero2.json", 32), ("electra_base_a100_bf16_zero3.json", 8)):
+        config, _ = dsc.resolve(REPO / "ds_configs" / name, world, 100, Path("/tmp/unused"))
+        assert config["train_batch_size"] == 256 and config["gradient_accumulation_steps"] >= 1
+
+
+class _EngineShim:
+    """DeepSpeedEngine's own methods on a parsed config, without a model: _configure_basic_optimizer picks
+    the optimizer class and _do_optimizer_sanity_check gives DeepSpeed's verdict on it."""
+
+    def __init__(self, config: dict):
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        self._config = DeepSpeedConfig({k: v for k, v in config.items() if k != "train_batch_size"})
+        self.client_optimizer, self.zenflow, self.global_rank, self.pipeline_parallelism = None, False, 0, False
+
+    def __getattr__(self, name):
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        return types.MethodType(getattr(DeepSpeedEngine, name), self)
+
+
+@pytest.fixture
+def no_op_builds(monkeypatch):
+    """Fused optimizers keep their class but build no op (their __init__ would JIT-compile CUDA/C++)."""
+    import deepspeed.comm
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.ops.lamb import FusedLamb
+    from deepspeed.ops.lion import FusedLion
+
+    def plain_init(self, params, **kwargs):
+        torch.optim.Optimizer.__init__(self, params, {"lr": kwargs.get("lr", 1e-3)})
+
+    for cls in (FusedAdam, FusedLamb, FusedLion):
+        monkeypatch.setattr(cls, "__init__", plain_init)
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+
+
+def _deepspeed_verdict(config: dict) -> tuple[type, str | None]:
+    shim = _EngineShim(config)
+    optimizer = shim._configure_basic_optimizer([torch.nn.Parameter(torch.zeros(2))])
+    try:
+        shim._do_optimizer_sanity_check(optimizer)
+    except (AssertionError, NotImplementedError, ValueError) as err:
+        return type(optimizer), str(err)
+    return type(optimizer), None
+
+
+def _variant(path: str, **changes) -> dict:
+    config = _raw(REPO / "ds_configs" / path)
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            config.setdefault(section, {})[field] = value
+        else:
+            config[section] = value
+    return config
+
+
+def test_optimizer_and_zero_stage_agree_with_deepspeed_for_every_shipped_config(no_op_builds):
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    cases = {p.name: dsc.resolve(p, 8, 1000, Path("/tmp/unused"))[0] for p in CONFIGS}
+    lamb = "bert_large_v100_fp16_lamb_zero0.json"
+    cases.update({  # what a user might write; DeepSpeed's verdict on each is the reference
+        "lamb_zero2": _variant(lamb, zero_optimization={"stage": 2}),
+        "lamb_zero1": _variant(lamb, zero_optimization={"stage": 1}),
+        "sgd_zero2": _variant("cpu_zero2.json", optimizer={"type": "SGD", "params": {"lr": 0.1}}),
+        "sgd_zero2_untested": _variant("cpu_zero2.json", optimizer={"type": "SGD", "params": {"lr": 0.1}},
+                                       zero_allow_untested_optimizer=True),
+        "bf16_zero0_fp32_accum": _variant("bert_large_a100_bf16_zero2.json", zero_optimization={"stage": 0}),
+        "bf16_zero0": _variant("bert_large_a100_bf16_zero2.json", zero_optimization={"stage": 0}, data_types={}),
+        "adagrad_zero3": _variant("cpu_zero3.json", optimizer={"type": "Adagrad", "params": {"lr": 0.1}}),
+    })
+    for name, config in cases.items():
+        cls, refused = _deepspeed_verdict(config)
+        assert preflight.deepspeed_optimizer(config) == (cls.__name__, cls), name
+        mine = preflight.check_optimizer(config)
+        assert (mine is not None) == (refused is not None), (name, mine, refused)
+        if name.endswith(".json"):
+            assert mine is None, (name, mine)  # every shipped config starts
+            stage = config.get("zero_optimization", {}).get("stage", 0)
+            assert stage == 0 or cls in ZERO_SUPPORTED_OPTIMIZERS, name
+    assert "ZeRO stage 2" in preflight.check_optimizer(cases["lamb_zero2"])
+    # LAMB under ZeRO with zero_allow_untested_optimizer: DeepSpeed runs it, with a per-shard trust ratio
+    untested = _variant(lamb, zero_optimization={"stage": 2}, zero_allow_untested_optimizer=True)
+    assert _deepspeed_verdict(untested)[1] is None and "per shard" in preflight.check_optimizer(untested)
+
+
+def test_bf16_accumulates_in_fp32_under_zero_and_the_lamb_recipe_stays_fp16():
+    for path in CONFIGS:
+        config, choices = dsc.resolve(path, 1, 1000, Path("/tmp/unused"))
+        stage = config["zero_optimization"]["stage"]
+        if dsc.precision_of(config) == "bf16":
+            assert stage >= 1 and config["data_types"]["grad_accum_dtype"] == "fp32", path.name
+        if config["optimizer"]["type"] == "Lamb":
+            assert stage == 0 and dsc.precision_of(config) == "fp16", path.name
+    # a bf16 config at ZeRO-0 says that it accumulates in bf16
+    user = REPO / "ds_configs" / "bert_large_a100_bf16_zero2.json"
+    raw = {**_raw(user), "zero_optimization": {"stage": 0}}
+    raw.pop("data_types")
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"bf16_zero0_{os.getpid()}.json"
+    tmp.write_text(json.dumps(raw))
+    try:
+        _, choices = dsc.resolve(tmp, 1, 1000, Path("/tmp/unused"))
+    finally:
+        tmp.unlink()
+    assert any("accumulate in bf16" in line for line in choices)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A patched GPU: set its capability and torch's arch list."""
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    state = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["capability"])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: state["arch_list"])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # as on a V100, through emulation
+    return state
+
+
+def test_precision_follows_compute_capability_not_emulation(gpu):
+    gpu["arch_list"] = ["sm_70", "sm_80", "sm_90"]
+    for capability, precision in (((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16")):
+        gpu["capability"] = capability
+        assert dsc.local_capability() == capability
+        for preset in ("electra-small", "electra-base", "bert-base", "bert-large", "bert-tiny", "electra-tiny"):
+            for continued in (False, True):
+                path = dsc.default_config_path(preset, continued=continued)
+                config, choices = dsc.resolve(path, 8, 300, Path("/tmp/unused"))
+                assert dsc.precision_of(config) == precision and config["zero_optimization"]["stage"] == 2, path
+                assert config["scheduler"]["params"]["warmup_num_steps"] < 300, path  # fits the default --max-steps
+                assert preflight.check_precision(config, capability) == []
+        assert ("continued" in dsc.default_config_path("bert-large", continued=True).name)
+    bf16 = dsc.resolve(REPO / "ds_configs" / "bert_large_a100_bf16_zero2.json", 8, 300, Path("/tmp/unused"))[0]
+    [line] = preflight.check_precision(bf16, (7, 0))
+    assert "sm_70 only emulates" in line and "v100_fp16" in line
+    assert dsc.default_config_path("bert-large", capability=None) == dsc.CPU_CONFIG
+
+
+def test_a_gpu_missing_from_the_torch_build_names_the_build_to_install(gpu):
+    gpu["arch_list"] = ["sm_80", "sm_90", "sm_100", "sm_120"]  # the CUDA 12.8 wheels of torch >= 2.11
+    problem = preflight.cuda_arch_problem((7, 0))
+    assert "sm_70" in problem and "whl/cu126" in problem and "\n" not in problem
+    assert preflight.cuda_arch_problem((8, 6)) is None  # sm_80 cubins run on sm_86
+    assert preflight.cuda_arch_problem((9, 0)) is None
+    gpu["arch_list"] = ["sm_70", "sm_80"]
+    assert preflight.cuda_arch_problem((7, 0)) is None
+    assert "sm_90" in preflight.cuda_arch_problem((9, 0))  # no sm_9x cubin: Hopper does not run sm_80 ones
+    gpu["arch_list"] = []  # a CPU build: nothing to say
+    assert preflight.cuda_arch_problem((7, 0)) is None
+
+
+def test_env_file_carries_the_variables_deepspeed_does_not_forward(tmp_path, monkeypatch):
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("NCCL_SOCKET_IFNAME=ib0\nHF_HOME=/old\n")
+    environ = {"HOME": "/home/ann", "USER": "ann", "HF_HOME": "/shared/hf", "TRUNEG_CACHE": "/scratch/tok"}
+    values = launch_env(environ)
+    assert values == {"TRUNEG_CACHE": "/scratch/tok", "HF_HOME": "/shared/hf",
+                      "NLTK_DATA": f"{sys.prefix}/share/nltk_data", "TORCH_EXTENSIONS_DIR": "/tmp/torch_extensions_ann"}
+    path = tmp_path / "run" / "deepspeed_env"
+    write_env_file(path, values, carry_over=[tmp_path / ".deepspeed_env"])
+    lines = path.read_text().splitlines()
+    assert lines == ["NCCL_SOCKET_IFNAME=ib0", "HF_HOME=/shared/hf", "TRUNEG_CACHE=/scratch/tok",
+                     f"NLTK_DATA={sys.prefix}/share/nltk_data", "TORCH_EXTENSIONS_DIR=/tmp/torch_extensions_ann"]
+    # as deepspeed/launcher/runner.py reads it, and as its runner exports it: nothing quoted or changed
+    runner = PDSHRunner.__new__(PDSHRunner)
+    runner.exports = {}
+    for line in path.read_text().splitlines(keepends=True):
+        key, val = line.split("=", maxsplit=1)
+        runner.add_export(key, val)
+    assert runner.exports == dict(line.split("=", 1) for line in lines)
+    with pytest.raises(UserError, match="HF_HOME"):
+        write_env_file(tmp_path / "bad", {"HF_HOME": "/my data/hf"}, carry_over=[])
+
+
+def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path):
+    stub = tmp_path / "deepspeed"
+    stub.write_text('#!/bin/sh\necho "DS_ENV_FILE=$DS_ENV_FILE"\necho "$@"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "DEEPSPEED": str(stub), "PREFLIGHT": "0", "DATA": str(tmp_path), "HOME": str(tmp_path),
+           "PYTHON": sys.executable}
+    missing = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], env=env, capture_output=True, text=True)
+    assert missing.returncode != 0 and "OUTPUT" in missing.stderr
+    out = tmp_path / "runs" / "small"
+    done = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh"), "--seed", "3"], env={**env, "OUTPUT": str(out)},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"DS_ENV_FILE={out}/deepspeed_env" in done.stdout
+    assert f"--output-dir {out} " in done.stdout and "electra_small_v100_fp16_zero2.json" in done.stdout
+    assert "--seed 3" in done.stdout and f"--hostfile {REPO}/launch/hosts" in done.stdout
+    keys = [line.split("=", 1)[0] for line in (out / "deepspeed_env").read_text().splitlines()]
+    assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR"]
+
+
+def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(preflight, "_NODE_LOCAL", ("/tmp/node-local",))  # tmp_path stands for shared storage
+    out = tmp_path / "shared" / "run"
+    argv = ["--hostfile", str(REPO / "launch" / "hosts"), "--gpu-arch", "sm70", "--model", "bert-large",
+            "--deepspeed_config", str(REPO / "ds_configs" / "bert_large_v100_fp16_lamb_zero0.json"),
+            "--output-dir", str(out), "--max-steps", "15625", "--save-steps", "2000", "--keep-checkpoints", "3"]
+    assert preflight.run(argv) == 0
+    printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if not line.startswith("note"))
+    assert printed["world size"] == "32" and printed["global batch"] == "16384"
+    assert printed["micro-batch"] == "32" and printed["gradient accumulation"] == "16"
+    assert printed["precision"] == "fp16 (sm_70)" and printed["ZeRO stage"] == "0"
+    assert printed["optimizer"].startswith("Lamb (FusedLamb)") and printed["warmup"] == "312"
+    assert printed["tokens seen"] == f"{15625 * 16384 * 128:,}"
+    assert printed["checkpoint size"].startswith("4.7 GB") and printed["checkpoints kept"].startswith("3 of 7")
+    assert not out.exists()  # nothing written
+    lamb_zero2 = tmp_path / "lamb_zero2.json"
+    lamb_zero2.write_text(json.dumps(_variant("bert_large_v100_fp16_lamb_zero0.json", zero_optimization={"stage": 2})))
+    bad = ["--hostfile", str(REPO / "launch" / "hosts"), "--gpu-arch", "sm70", "--model", "bert-large",
+           "--deepspeed_config", str(lamb_zero2), "--output-dir", "/tmp/node-local/run", "--train-data", str(tmp_path / "none")]
+    assert preflight.run(bad) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 3 and all(line.startswith("truneg: error: ") for line in errors)
+    assert "FusedLamb" in errors[0] and "node-local" in errors[1] and "no text files" in errors[2]
+    bf16 = ["--gpu-arch", "sm70", "--deepspeed_config", str(REPO / "ds_configs" / "electra_base_a100_bf16_zero3.json"),
+            "--output-dir", str(out)]
+    assert preflight.run(bf16) == 2 and "only emulates" in capsys.readouterr().err

@@ -1,0 +1,135 @@
+"""Building the run's parts: the data, the synonym lookup for HC, and the model on a DeepSpeed engine."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from truneg import checkpoint
+from truneg.errors import UserError
+from truneg.run_config import RunConfig
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict:
+    """The DeepSpeed config as deepspeed.initialize gets it: the file (or the default for the preset and the
+    hardware), the batch split for this world size, the command-line overrides, and the checkpoint format
+    to load. The same checks as `truneg preflight`; rank 0 prints what was chosen."""
+    from truneg.preflight import check_start, resolve_config
+
+    config, choices = resolve_config(cfg, world_size)
+    problems = check_start(cfg, config, world_size)
+    if problems:
+        raise UserError(problems[0] if len(problems) == 1 else "; ".join(problems))
+    if os.environ.get("RANK", "0") == "0":
+        for line in choices:
+            print(f"truneg: {line}", flush=True)
+    if load_universal:
+        config.setdefault("checkpoint", {})["load_universal"] = True
+    return config
+
+
+@dataclass
+class Start:
+    """What the checks before any process group found: every later stage starts from it."""
+
+    ds_config: dict
+    tokenizer: object
+    table: object  # SynonymTable | None
+    resume: checkpoint.ResumePoint | None
+
+
+def check_start(cfg: RunConfig, world_size: int) -> Start:
+    """Everything that needs no process group, before `deepspeed.init_distributed`: the DeepSpeed config for
+    this world size, the resume point, the tokenizer, the synonym table, and the corpus (prepared here on
+    each node's local rank 0: a collective would time out while a large corpus is tokenized). A mistake is
+    one line on every rank, before any rank waits on another."""
+    from deepspeed.accelerator import get_accelerator
+
+    from truneg.data import ensure_prepared, load_tokenizer
+    from truneg.distributed import refuse_stale_build_lock
+
+    if get_accelerator().device_name() == "cpu":
+        refuse_stale_build_lock("deepspeed_shm_comm")  # gloo ranks load DeepSpeed's CPU comm op
+    fresh = cfg.resume == "none" or cfg.overwrite
+    resume = None if fresh else checkpoint.find_resume_point(cfg.resume, cfg.output_dir)
+    ds_config = deepspeed_config(cfg, world_size, load_universal=bool(resume and resume.universal(world_size)))
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    table = synonym_table(cfg, tokenizer)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        ensure_prepared(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
+    return Start(ds_config, tokenizer, table, resume)
+
+
+def open_blocks(cfg: RunConfig, tokenizer):
+    """The memory-mapped blocks on every rank, once each node's local rank 0 has prepared them (a collective).
+    Returns (blocks, the run-record entry naming the prepared data)."""
+    from truneg.data import open_training_blocks
+
+    dist.barrier()
+    blocks, fingerprint = open_training_blocks(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc,
+                                               prepare=False)
+    return blocks, {"data": fingerprint}
+
+
+def synonym_table(cfg: RunConfig, tokenizer):
+    """--hc none | wordnet | embedding | FILE.npz -> SynonymTable (or None)."""
+    from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymTable, build_from_embeddings
+
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    if cfg.hc == "none":
+        return None
+    if cfg.hc == "wordnet":
+        from truneg.synonyms import build_from_wordnet, vocab_sha256
+
+        shipped = SynonymTable.load(SHIPPED_WORDNET_TABLE) if SHIPPED_WORDNET_TABLE.is_file() else None
+        if shipped is not None and shipped.sha256 == vocab_sha256(tokens):
+            return shipped
+        return build_from_wordnet(tokens)  # another vocab: about 3 s
+    if cfg.hc == "embedding":
+        if not cfg.hc_embeddings:
+            raise UserError("--hc embedding needs --hc-embeddings (a word2vec file or an HF model folder)")
+        return build_from_embeddings(tokens, cfg.hc_embeddings)
+    if not cfg.hc.endswith(".npz"):
+        raise UserError(f"--hc {cfg.hc!r}: use none, wordnet, embedding or a FILE.npz built by `truneg synonyms build`")
+    return SynonymTable.load(cfg.hc, expect_tokens=tokens)
+
+
+def table_fingerprint(table) -> str | None:
+    """The synonym table's content hash for the run record: a rebuilt table is another run."""
+    if table is None:
+        return None
+    for name in ("fingerprint", "content_sha256"):
+        value = getattr(table, name, None)
+        if value is not None:
+            return value() if callable(value) else value
+    import hashlib
+
+    return hashlib.sha256(table.indptr.tobytes() + table.indices.tobytes()).hexdigest()
+
+
+def build_model(cfg: RunConfig, table, vocab_size: int):
+    from truneg.distributed import seed
+    from truneg.models import ObjectiveConfig, build_pretrainer
+    from truneg.synonyms import SynonymLookup
+
+    lookup = None if table is None else SynonymLookup(table)
+    objective = ObjectiveConfig(lookup, cfg.hc_prediction, cfg.sr, cfg.sr_weight, cfg.sr_sent_target)
+    seed(cfg.seed)  # identical initial weights on every rank
+    return build_pretrainer(cfg.model, objective, cfg.init_from, cfg.dropout, vocab_size)
+
+
+def build_engine(cfg: RunConfig, model, ds_config: dict):
+    """deepspeed.initialize with two parameter groups (no weight decay on biases and LayerNorm)."""
+    import deepspeed
+
+    from truneg.models import parameter_groups
+
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model), config=ds_config)
+    except (AssertionError, ValueError) as err:
+        raise UserError(f"DeepSpeed rejected the config: {str(err)[:300]}") from None
+    if cfg.compile:
+        # Static shapes (an exact number of masked positions, gathered): one graph, no recompiles.
+        engine.compile(compile_kwargs={"dynamic": False})
+    return engine

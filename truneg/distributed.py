@@ -1,0 +1,94 @@
+"""Process set-up: deepspeed.init_distributed (gloo on the CPU), two workarounds for DeepSpeed's CPU comm
+op, and the run's seeding, in one place."""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from truneg.errors import UserError
+
+STALE_BUILD_LOCK_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_world_size() -> int:
+    """The world size the launcher set up (1 without a launcher), readable before any process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed() -> tuple[int, int]:
+    """deepspeed.init_distributed with gloo on the CPU; `python -m truneg.pretrain` runs as a world of one."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "gloo" if get_accelerator().device_name() == "cpu" else None
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    if backend == "gloo":
+        _unlink_shm_allreduce_buffer()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def refuse_stale_build_lock(extension: str) -> None:
+    """torch takes a lock file on every load of a JIT-built op; a process killed in that second leaves it
+    behind, and every later launch would wait on it forever without a word. A build takes about a minute."""
+    try:  # torch's own rule for where the op is built (a private helper, hence the guard)
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(extension, verbose=False)) / "lock"
+    except (ImportError, AttributeError, TypeError):
+        return
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        raise UserError(f"{lock} is {age / 60:.0f} minutes old, left by a process killed while loading DeepSpeed's "
+                        f"{extension} op; delete it if no build is running")
+
+
+def _unlink_shm_allreduce_buffer() -> None:
+    """Drop the name of this rank's shared-memory allreduce buffer once every local rank has mapped it.
+
+    DeepSpeed's CPU comm op creates /dev/shm/deepspeed_allreduce_buffer_* (69 MB a rank) and never
+    unlinks it, so every run, and every kill -9, would leave RAM-backed files behind until the machine
+    fills. The mappings stay valid after the unlink, and the kernel frees the memory when the last rank exits.
+    """
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
+            f"_{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    if dist.get_world_size() > 1:
+        dist.barrier()  # every rank has opened every peer's buffer by now
+    (Path("/dev/shm") / name).unlink(missing_ok=True)
+
+
+def seed(run_seed: int, rank: int | None = None, step: int | None = None) -> None:
+    """The run's seeding, all of it:
+    - `seed(s)`: before the model is built, the same on every rank (identical initial weights; ZeRO-3
+      partitions each rank's copy);
+    - `seed(s, rank)`: for training, different per rank (dropout and Gumbel noise);
+    - `seed(s, rank, step)`: a resume that has no saved RNG state for this rank (another world size).
+    Masking draws from its own generators, a pure function of (seed, epoch, sequence), and needs none of this."""
+    if rank is None:
+        value = run_seed
+    elif step is None:
+        value = run_seed + rank
+    else:
+        value = run_seed * 1_000_003 + step * 1_009 + rank
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)

@@ -1,0 +1,193 @@
+"""The training loop: the trainer's small state, one optimizer step (`train_step`, which holds the
+micro-batches), and the loop that logs, checkpoints and stops cleanly on SIGTERM/SIGINT.
+
+Inside a step nothing waits on the host: the forward, the objectives and the metric sums stay on the
+device. Once per optimizer step, one small all-reduce carries the stop flag and the non-finite count.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from truneg import checkpoint
+from truneg.data import ResumableSampler
+from truneg.distributed import seed
+from truneg.errors import UserError
+from truneg.masking import MaskedBatches
+from truneg.metrics import MetricsLogger
+from truneg.run_config import RunConfig
+
+# Fault injection for tests: a comma-separated list of optimizer steps whose loss becomes NaN on rank 0.
+INJECT_NONFINITE_ENV = "TRUNEG_INJECT_NONFINITE_STEPS"
+
+
+@dataclass
+class TrainState:
+    """Everything the loop mutates besides the engine (which holds model, optimizer, scheduler and step)."""
+
+    sampler: ResumableSampler
+    batches: MaskedBatches
+    metrics: MetricsLogger
+    rank: int
+    world_size: int
+    nonfinite_in_a_row: int = 0
+
+    def save(self, cfg: RunConfig, engine, step: int) -> None:
+        """A collective. The data position goes with DeepSpeed's client state, the RNG states and the metric
+        accumulator per rank; then the oldest checkpoints beyond --keep-checkpoints go."""
+        client_state = {"step": step, "sampler": self.batches.position, "world_size": self.world_size}
+        rank_state = {"rng": checkpoint.rng_state(), "metrics": self.metrics.state_dict()}
+        checkpoint.save(engine, cfg.checkpoint_dir, step, client_state, rank_state)
+        if self.rank == 0 and cfg.keep_checkpoints > 0:
+            checkpoint.remove_old(cfg.checkpoint_dir, cfg.keep_checkpoints)
+
+
+def start_state(cfg: RunConfig, engine, blocks, tokenizer, resume: checkpoint.ResumePoint | None, tag: str | None) -> TrainState:
+    """The state at the first step: fresh, or restored from `tag` (weights, optimizer, scheduler, step,
+    data position, RNG states and metric sums)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sampler = ResumableSampler(len(blocks), engine.train_micro_batch_size_per_gpu(), world_size, rank, cfg.seed)
+    metrics = MetricsLogger(engine, cfg.output_dir, cfg.seq_len, rank)
+    seed(cfg.seed, rank)
+    if resume is not None:
+        client_state, rank_state = checkpoint.load(engine, resume.checkpoint_dir, tag)
+        sampler.load_state_dict(client_state["sampler"])
+        step = engine.global_steps
+        if rank_state is None:
+            print(f"truneg: warning: rank {rank} has no RNG state for world size {world_size} in the checkpoint; "
+                  "reseeding (the run continues, but not bitwise as on the old world size)", flush=True)
+            seed(cfg.seed, rank, step)
+        else:
+            checkpoint.set_rng_state(rank_state["rng"])
+            metrics.load_state_dict(rank_state["metrics"])
+        if rank == 0:
+            print(f"truneg: resumed from {resume.checkpoint_dir} at step {step}", flush=True)
+    # Records a killed run wrote after its last checkpoint (or before its first) are not history.
+    metrics.truncate_after(engine.global_steps)
+    metrics.purge_tensorboard_after(int(engine.global_samples))
+    batches = MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed, cfg.max_predictions,
+                            cfg.data_workers)
+    return TrainState(sampler, batches, metrics, rank, world_size)
+
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag; the step's all-reduce shares it, and every rank saves and exits."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+
+class SkipGuard:
+    """Skips the update of an optimizer step whose gradients are not finite on some rank.
+
+    fp16's loss scaler and DeepSpeed's overflow check (bf16, and fp32 at ZeRO-1/2 through the grad norm)
+    skip such steps themselves and count them in `engine.skipped_steps`; elsewhere (fp32 at ZeRO-0 and 3)
+    nothing would. The guard sits on the innermost torch optimizer, so whichever way DeepSpeed wraps it,
+    a flagged step leaves the weights and the optimizer's moments untouched. The step counter and the LR
+    schedule still advance, as for an fp16 overflow."""
+
+    def __init__(self, engine):
+        inner = engine.optimizer
+        while hasattr(inner, "optimizer"):  # DeepSpeed's ZeRO / bf16 / fp16 wrappers hold the torch optimizer
+            inner = inner.optimizer
+        self.skip = False
+        real_step = inner.step
+
+        def guarded_step(*args, **kwargs):
+            return None if self.skip else real_step(*args, **kwargs)
+
+        inner.step = guarded_step
+
+
+def _injected_nonfinite_steps() -> set[int]:
+    return {int(s) for s in os.environ.get(INJECT_NONFINITE_ENV, "").split(",") if s.strip()}
+
+
+def train_step(engine, state: TrainState, stop: StopSignal, guard: SkipGuard, inject: set[int]) -> tuple[bool, bool]:
+    """One optimizer step over gradient_accumulation_steps micro-batches. Returns (stop requested on some
+    rank, step skipped for a non-finite loss on some rank)."""
+    device = engine.device
+    micro_batches = engine.gradient_accumulation_steps()
+    nonfinite = torch.zeros((), device=device)
+    poison = engine.global_steps + 1 in inject and state.rank == 0
+    for micro in range(micro_batches):
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(state.batches).items()}
+        loss, stats = engine(**batch)
+        if poison:
+            loss = loss * float("nan")
+        finite = torch.isfinite(loss.detach())
+        nonfinite = nonfinite + (~finite).float()
+        engine.backward(loss)
+        state.metrics.add(stats, loss, finite, engine.train_micro_batch_size_per_gpu())
+        if micro == micro_batches - 1:
+            # The step's one host sync: the stop flag and the non-finite count of every rank, before the update.
+            flags = torch.stack([nonfinite.new_tensor(1.0 if stop.received else 0.0), nonfinite])
+            dist.all_reduce(flags)
+            stop_requested, nonfinite_count = flags.tolist()
+            guard.skip = nonfinite_count > 0
+        engine.step()
+    return stop_requested > 0, nonfinite_count > 0
+
+
+def _console_line(step: int, total: int, record: dict, eta_s: float, hc: bool) -> str:
+    line = (f"step {step}/{total}  loss {record.get('loss', float('nan')):.4f}  lr {record['lr']:.2e}  "
+            f"{record['samples_per_sec']:.1f} samples/s  ETA {time.strftime('%H:%M:%S', time.gmtime(max(eta_s, 0)))}")
+    if hc:
+        line += f"  hc_iter_ratio {record['hc_iter_ratio']:.4f}  hc_pred_ratio {record['hc_pred_ratio']:.4f}"
+    if record["nonfinite_steps"]:
+        line += f"  nonfinite_steps {record['nonfinite_steps']}"
+    return line
+
+
+def train(cfg: RunConfig, engine, state: TrainState) -> None:
+    stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
+    counts_nonfinite = not engine.fp16_enabled()  # in fp16 the loss scaler owns overflow
+    started, start_step = time.perf_counter(), engine.global_steps
+    step = start_step
+    while step < cfg.max_steps:
+        stop_requested, skipped = train_step(engine, state, stop, guard, inject)
+        step = engine.global_steps
+        if skipped and counts_nonfinite:
+            state.nonfinite_in_a_row += 1
+            state.metrics.count_nonfinite()
+            if state.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                last = checkpoint.latest_tag(cfg.checkpoint_dir) or "none yet"
+                raise UserError(
+                    f"{state.nonfinite_in_a_row} non-finite losses in a row at step {step}; stopped. "
+                    f"The last good checkpoint ({last}) is intact: lower --lr or check the data, then resume"
+                )
+        else:
+            state.nonfinite_in_a_row = 0
+        if step % cfg.log_steps == 0 or step == cfg.max_steps:
+            record = state.metrics.log(step)
+            if state.rank == 0 and record:
+                eta = (cfg.max_steps - step) * (time.perf_counter() - started) / max(step - start_step, 1)
+                print(_console_line(step, cfg.max_steps, record, eta, hc=cfg.hc != "none"), flush=True)
+        # No checkpoint inside a run of skipped steps: `latest` stays the last good one.
+        saving = cfg.save_steps > 0 and (step % cfg.save_steps == 0 or step == cfg.max_steps) and not state.nonfinite_in_a_row
+        if saving:
+            state.save(cfg, engine, step)
+        if stop_requested:
+            if not saving:
+                state.save(cfg, engine, step)
+            if state.rank == 0:
+                print(f"truneg: stopped by signal at step {step}; checkpoint saved in {cfg.checkpoint_dir}. "
+                      "Run the same command to resume.", flush=True)
+            return
+    if state.rank == 0:
+        elapsed = time.perf_counter() - started
+        out = cfg.output_dir
+        print(f"truneg: done, {engine.global_steps - start_step} steps in {elapsed:.0f} s\n"
+              f"  checkpoints: {out / 'checkpoints'} (resume: run the same command)\n"
+              f"  metrics:     {out / 'metrics.jsonl'}\n"
+              f"  tensorboard: tensorboard --logdir {out / 'tensorboard'}", flush=True)

@@ -1,0 +1,148 @@
+"""Dynamic masking with static shapes: an exact number of masked positions per sequence.
+
+As BERT's `create_pretraining_data` and the official ELECTRA, each sequence gets
+`min(max_predictions, max(1, round(0.15 x maskable)))` masked positions, and the batch carries them as
+`masked_positions` [B, P] (padded with 0) plus `masked_valid` [B, P]. The model gathers those rows with
+`torch.gather`: every shape is static, no boolean indexing, so nothing in the step waits on the host
+and `torch.compile(fullgraph=True)` traces the whole step.
+
+Masking is a pure function of (seed, epoch, sequence index): drawn anew each epoch, identical after a
+resume, independent of the world size.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+MASK_SCHEMES = {
+    # name: (selected share, of those -> [MASK], -> random token); the rest stay unchanged
+    "bert": (0.15, 0.8, 0.1),
+    "electra": (0.15, 0.85, 0.0),
+}
+
+
+def default_max_predictions(seq_len: int) -> int:
+    """15 % of the sequence rounded up to a multiple of 4: 20 at seq 128 and 80 at 512, as BERT's recipes."""
+    return max(4, -(-int(np.ceil(0.15 * seq_len)) // 4) * 4)
+
+
+def mask_tokens(
+    input_ids: np.ndarray,
+    special_ids: Sequence[int],
+    mask_id: int,
+    vocab_size: int,
+    scheme: str,
+    seed: int,
+    epoch: int,
+    indices: np.ndarray,
+    max_predictions: int,
+) -> dict[str, torch.Tensor]:
+    """Mask a [B, L] batch of token ids. Returns int64 `input_ids` (masked), `original_ids`, `masked_positions`
+    [B, P] and bool `masked_valid` [B, P], with P = max_predictions. Positions are sorted within a row."""
+    select_p, mask_p, random_p = MASK_SCHEMES[scheme]
+    original = np.array(input_ids, dtype=np.int64)
+    batch, length = original.shape
+    order_draw = np.empty((batch, length))
+    action_draw = np.empty((batch, max_predictions))
+    random_ids = np.empty((batch, max_predictions), dtype=np.int64)
+    for row, index in enumerate(indices):
+        rng = np.random.default_rng([seed, epoch, int(index)])
+        order_draw[row] = rng.random(length)
+        action_draw[row] = rng.random(max_predictions)
+        random_ids[row] = rng.integers(0, vocab_size, max_predictions)
+    maskable = ~np.isin(original, np.asarray(special_ids))
+    num_maskable = maskable.sum(axis=1)
+    count = np.minimum(max_predictions, np.maximum(1, np.rint(select_p * num_maskable).astype(np.int64)))
+    count = np.minimum(count, num_maskable)
+    # A random order of the maskable positions (unmaskable ones last); the first `count` are selected.
+    order = np.argsort(np.where(maskable, order_draw, 2.0), axis=1, kind="stable")[:, :max_predictions]
+    valid = np.arange(max_predictions)[None, :] < count[:, None]
+    positions = np.sort(np.where(valid, order, length), axis=1)  # sorted; padding (= length) last
+    valid = positions < length
+    positions = np.where(valid, positions, 0)
+
+    ids = original.copy()
+    rows = np.broadcast_to(np.arange(batch)[:, None], positions.shape)
+    to_mask = valid & (action_draw < mask_p)
+    to_random = valid & (action_draw >= mask_p) & (action_draw < mask_p + random_p)
+    ids[rows[to_mask], positions[to_mask]] = mask_id
+    ids[rows[to_random], positions[to_random]] = random_ids[to_random]
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "original_ids": torch.from_numpy(original),
+        "masked_positions": torch.from_numpy(positions.astype(np.int64)),
+        "masked_valid": torch.from_numpy(valid),
+    }
+
+
+def positions_from_labels(labels: torch.Tensor, max_predictions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(masked_positions, masked_valid) of an MLM `labels` tensor (-100 where not masked): for callers that
+    hold HF-style labels. Runs on the host (it sorts a boolean mask); not for the training step."""
+    selected = labels != -100
+    width = max_predictions or max(1, int(selected.sum(1).max()))
+    key = torch.where(selected, torch.arange(labels.shape[1]), torch.full_like(labels, labels.shape[1]))
+    positions = key.sort(dim=1).values[:, :width]
+    valid = positions < labels.shape[1]
+    return torch.where(valid, positions, torch.zeros_like(positions)), valid
+
+
+class _MicroBatchPlan(torch.utils.data.Sampler):
+    """The sampler's micro-batches in order, each with the sampler position just after it."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __iter__(self):
+        for epoch, indices in self.sampler:
+            yield epoch, indices, self.sampler.state_dict()
+
+
+class _MaskedMicroBatches(torch.utils.data.Dataset):
+    """Reads one micro-batch of blocks and masks it: run in the DataLoader's workers."""
+
+    def __init__(self, blocks, special_ids, mask_id: int, vocab_size: int, scheme: str, seed: int, max_predictions: int):
+        self.blocks, self.special_ids, self.mask_id, self.vocab_size = blocks, special_ids, mask_id, vocab_size
+        self.scheme, self.seed, self.max_predictions = scheme, seed, max_predictions
+
+    def __getitem__(self, item):
+        epoch, indices, position = item
+        order = np.argsort(indices)  # sorted reads from the memory map, original order kept
+        rows = np.empty((len(indices), self.blocks.shape[1]), dtype=np.int64)
+        rows[order] = self.blocks[indices[order]]
+        batch = mask_tokens(rows, self.special_ids, self.mask_id, self.vocab_size, self.scheme, self.seed, epoch,
+                            indices, self.max_predictions)
+        return batch, position
+
+
+class MaskedBatches:
+    """Iterator of masked micro-batches for one rank (dicts of tensors, see `mask_tokens`).
+
+    With `workers` > 0 a torch DataLoader reads and masks ahead in background processes (pinned memory on
+    GPUs), so the step never waits on the input. Masking is a pure function of (seed, epoch, index), so the
+    batches are the same with or without workers; `position` is the sampler's state after the last batch
+    handed out (not after what the workers read ahead), which is what a checkpoint stores."""
+
+    def __init__(self, blocks, sampler, tokenizer, scheme: str, seed: int, max_predictions: int, workers: int = 0):
+        dataset = _MaskedMicroBatches(blocks, sorted(tokenizer.all_special_ids), tokenizer.mask_token_id,
+                                      len(tokenizer), scheme, seed, max_predictions)
+        self.position = sampler.state_dict()
+        if workers > 0:
+            loader = torch.utils.data.DataLoader(
+                dataset, sampler=_MicroBatchPlan(sampler), batch_size=None, num_workers=workers,
+                pin_memory=torch.cuda.is_available(), prefetch_factor=4, persistent_workers=False,
+                # its own generator: the workers' base seed would otherwise be drawn from the global torch RNG,
+                # shifting dropout and Gumbel noise (masking itself needs no torch RNG)
+                generator=torch.Generator().manual_seed(seed),
+            )
+            self._it = iter(loader)
+        else:
+            self._it = (dataset[item] for item in _MicroBatchPlan(sampler))
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch, self.position = next(self._it)
+        return batch
+
+    def __iter__(self):
+        return self

@@ -1,0 +1,372 @@
+"""Checks a pre-training run must pass before it starts, shared by `truneg preflight` and pretrain.py.
+
+    truneg preflight --hostfile launch/hosts --deepspeed_config ds_configs/bert_large_v100_fp16_lamb_zero0.json \\
+        --model bert-large --train-data /shared/corpus --output-dir /shared/runs/bl --max-steps 15625 [--gpu-arch sm70]
+
+prints what the run would do, one `key: value` a line, and exits 0; or one line per problem and exits 2.
+
+pretrain.py's start-up calls, before deepspeed.init_distributed:
+    config, choices = resolve_config(args, world_size)       # choices: lines for rank 0 to print
+    problems = check_start(args, config, world_size)         # [] when the run can start
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from truneg import config as ds_config
+from truneg.errors import UserError
+
+GPU_ARCHS = {"sm70": (7, 0), "sm80": (8, 0), "sm90": (9, 0)}
+# The torch wheels that carry each generation's kernels (pytorch/pytorch#172352: 2.11 dropped sm_70 from
+# the CUDA 12.8 wheels, and the CUDA 13 wheels never had it).
+_WHEEL_FOR = {7: "cu126", 8: "cu128", 9: "cu128", 10: "cu128", 12: "cu128"}
+_NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+BYTES_PER_PARAM = {"fp32": 16, "fp16": 14, "bf16": 14}  # weights + fp32 master + two moments (Adam, LAMB)
+
+_LOCAL = "local"  # capability argument: read this machine's GPU
+
+
+def _capability(capability):
+    return ds_config.local_capability() if capability == _LOCAL else capability
+
+
+def effective_preset(args: argparse.Namespace) -> str | None:
+    """--model, else the preset an --init-from checkpoint matches (None if none), else electra-tiny."""
+    import json
+
+    from truneg.models import BERT_PRESETS, DEFAULT_PRESET, ELECTRA_PRESETS
+
+    if args.model or not args.init_from:
+        return args.model or DEFAULT_PRESET
+    root = Path(args.init_from)
+    electra = (root / "discriminator" / "config.json").is_file()
+    try:
+        hf = json.loads((root / "discriminator" / "config.json" if electra else root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    sizes = {name: (disc if electra else spec) for name, spec in {**BERT_PRESETS, **ELECTRA_PRESETS}.items()
+             for disc in [spec[0] if isinstance(spec, tuple) else spec]}
+    for name, spec in sizes.items():
+        if name.startswith("electra") == electra and all(hf.get(k) == spec[k] for k in ("hidden_size", "num_hidden_layers")):
+            return name
+    return None
+
+
+def resolve_config(args: argparse.Namespace, world_size: int, capability=_LOCAL) -> tuple[dict, list[str]]:
+    """The DeepSpeed config for this run and the lines saying what was chosen.
+
+    args: pretrain.py's arguments (deepspeed_config, model, init_from, max_steps, output_dir,
+    micro_batch_size, gradient_accumulation_steps, lr). capability: (major, minor) of the GPUs, None for
+    the CPU, "local" (default) for this machine's. Raises UserError when the batch does not split."""
+    capability = _capability(capability)
+    path = args.deepspeed_config
+    if path:
+        choice = f"config: {path}"
+    else:
+        preset = effective_preset(args)
+        path = ds_config.default_config_path(preset, capability, continued=bool(args.init_from))
+        where = "the CPU" if capability is None else f"sm_{capability[0]}{capability[1]}"
+        kind = "continued" if args.init_from else "from scratch"
+        choice = f"config: {path} (default for {preset or 'this checkpoint'} {kind} on {where})"
+    config, choices = ds_config.resolve(
+        path, world_size, args.max_steps, Path(args.output_dir),
+        micro_batch=args.micro_batch_size, grad_accum=args.gradient_accumulation_steps, lr=args.lr,
+    )
+    return config, [choice, *choices]
+
+
+def deepspeed_optimizer(config: dict) -> tuple[str, type | None]:
+    """(DeepSpeed's optimizer class name, the class or None if unknown) that deepspeed.initialize would
+    build from the config's "optimizer", following DeepSpeedEngine._configure_basic_optimizer. Imports
+    the classes only: no op is built."""
+    import torch
+    from deepspeed.runtime import config as dsc
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    section = config.get("optimizer") or {}
+    written = section.get("type")
+    if not written:
+        return "none", None
+    name = written.lower() if written.lower() in dsc.DEEPSPEED_OPTIMIZERS else written
+    params = section.get("params") or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    on_cpu = offload.get("device") in (OffloadDeviceEnum.cpu.value, OffloadDeviceEnum.nvme.value)
+    if name in (dsc.ADAM_OPTIMIZER, dsc.ADAMW_OPTIMIZER):
+        w_mode = name == dsc.ADAMW_OPTIMIZER or params.get(dsc.ADAM_W_MODE, dsc.ADAM_W_MODE_DEFAULT)
+        if params.get(dsc.TORCH_ADAM_PARAM):
+            cls = torch.optim.AdamW if w_mode else torch.optim.Adam
+        elif on_cpu:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam, ZenFlowCPUAdam
+            cls = ZenFlowCPUAdam if (config.get("zero_optimization") or {}).get("zenflow") else DeepSpeedCPUAdam
+        else:
+            from deepspeed.ops.adam import FusedAdam
+            cls = FusedAdam
+    elif name == dsc.ADAGRAD_OPTIMIZER:
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+        cls = DeepSpeedCPUAdagrad if on_cpu else torch.optim.Adagrad
+    elif name == dsc.LAMB_OPTIMIZER:
+        from deepspeed.ops.lamb import FusedLamb
+        cls = FusedLamb
+    elif name == dsc.LION_OPTIMIZER:
+        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+        cls = DeepSpeedCPULion if on_cpu else FusedLion
+    elif name in (dsc.MUADAM_OPTIMIZER, dsc.MUADAMW_OPTIMIZER, dsc.MUSGD_OPTIMIZER, dsc.MUON_OPTIMIZER):
+        return {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD", "muon": "MuonWithAuxAdam"}[name], None
+    else:
+        cls = getattr(torch.optim, name, None)
+        return (cls.__name__ if isinstance(cls, type) else written), (cls if isinstance(cls, type) else None)
+    return cls.__name__, cls
+
+
+def check_optimizer(config: dict) -> str | None:
+    """One line when DeepSpeed would refuse (or, for LAMB, silently mistrain) the optimizer under the
+    config's ZeRO stage, or the bf16 gradient accumulation at ZeRO-0; None when they agree. The reference
+    is DeepSpeed's own list, deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS."""
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    written = (config.get("optimizer") or {}).get("type")
+    name, cls = deepspeed_optimizer(config)
+    if written is None:
+        return "the DeepSpeed config has no optimizer section; add one (e.g. {\"type\": \"AdamW\", ...})"
+    if cls is None and name not in ("MuAdam", "MuAdamW", "MuSGD", "MuonWithAuxAdam"):
+        return f"optimizer type {written!r} is neither DeepSpeed's nor torch.optim's; use AdamW, Adam, Lamb, Lion or Adagrad"
+    if stage >= 1:
+        supported = cls in ZERO_SUPPORTED_OPTIMIZERS or name == "MuonWithAuxAdam"
+        if name == "FusedLamb":
+            return (f"optimizer {written} (DeepSpeed's FusedLamb) does not work under ZeRO stage {stage}: DeepSpeed "
+                    "lists it outside ZERO_SUPPORTED_OPTIMIZERS, and with zero_allow_untested_optimizer LAMB's "
+                    "per-layer trust ratio would be computed per shard; use ZeRO stage 0 "
+                    "(ds_configs/bert_large_v100_fp16_lamb_zero0.json) or AdamW with ZeRO-1/2")
+        if not supported and not config.get("zero_allow_untested_optimizer"):
+            return (f"optimizer {written} ({name}) is not among DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS for ZeRO stage "
+                    f"{stage}; use AdamW/Adam/Adagrad/Lion, ZeRO stage 0, or set zero_allow_untested_optimizer")
+    elif (config.get("bf16") or {}).get("enabled") and (config.get("data_types") or {}).get("grad_accum_dtype") == "fp32":
+        return ("bf16 with data_types.grad_accum_dtype fp32 at ZeRO stage 0: DeepSpeed refuses that mix "
+                "(NotImplementedError); drop grad_accum_dtype (accumulate in bf16), use ZeRO-1/2, or fp16")
+    return None
+
+
+def cuda_arch_problem(capability: tuple[int, int]) -> str | None:
+    """One line when this torch has no kernels for the GPU: no sm_XY of the same major version at or below
+    the GPU's (cubins run forward within a major version only). None for a CPU build (no arch list)."""
+    import torch
+
+    arch_list = torch.cuda.get_arch_list()
+    if not arch_list:
+        return None
+    major, minor = capability
+    built = [a.split("_", 1)[1].rstrip("af") for a in arch_list if a.startswith("sm_")]
+    if any(int(b) // 10 == major and int(b) % 10 <= minor for b in built if b.isdigit()):
+        return None
+    wheel = _WHEEL_FOR.get(major, "cu128")
+    return (f"this torch {torch.__version__} has no kernels for sm_{major}{minor} (it carries {' '.join(arch_list)}); "
+            f"install a build that does: pip install torch --index-url https://download.pytorch.org/whl/{wheel}")
+
+
+def check_precision(config: dict, capability: tuple[int, int] | None) -> list[str]:
+    """bf16 needs compute capability 8.0 (it is only emulated on a V100); fp16 needs a GPU."""
+    precision = ds_config.precision_of(config)
+    if capability is None:
+        if precision == "fp16":
+            return ["the config enables fp16, which the CPU does not support; use ds_configs/cpu_zero2.json"]
+        return []
+    problems = []
+    if precision == "bf16" and tuple(capability) < ds_config.BF16_MIN_CAPABILITY:
+        problems.append(f"the config enables bf16, which sm_{capability[0]}{capability[1]} only emulates (bf16 needs "
+                        "compute capability 8.0, A100 or later); use a ds_configs/*_v100_fp16_*.json config")
+    arch = cuda_arch_problem(tuple(capability))
+    if arch:
+        problems.append(arch)
+    return problems
+
+
+def _check_output_dir(output_dir: Path, nodes: int) -> list[str]:
+    resolved = Path(output_dir).expanduser().absolute()
+    if nodes > 1 and any(str(resolved) == p or str(resolved).startswith(p + "/") for p in _NODE_LOCAL):
+        return [f"--output-dir {output_dir} is node-local, but the run spans {nodes} nodes: every node must see "
+                "the same checkpoints; pass a folder on shared storage"]
+    existing = resolved
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"--output-dir {output_dir}: {existing} is a file; pass a folder"]
+    import os
+
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"--output-dir {output_dir}: {existing} is not writable; pass a folder you can write"]
+    return []
+
+
+def _check_corpus(train_data: list[str]) -> list[str]:
+    from truneg import data
+
+    prepared = getattr(data, "is_prepared", lambda spec: False)  # a folder `truneg prepare` wrote
+    files = [spec for spec in train_data if not str(spec).startswith("hf:") and not prepared(spec)]
+    if not files:
+        return []
+    try:
+        data.resolve_text_files(files)
+    except UserError as err:
+        return [str(err)]
+    return []
+
+
+def check_start(args: argparse.Namespace, config: dict, world_size: int, capability=_LOCAL,
+                nodes: int = 1) -> list[str]:
+    """Every problem that would stop (or silently spoil) the run, one line each; [] when it can start.
+
+    Pure checks, no process group: the optimizer against the ZeRO stage, the precision and the torch
+    build against the GPU (capability as in resolve_config), the output folder (shared when nodes > 1)
+    and the corpus. `config` is resolve_config's."""
+    capability = _capability(capability)
+    problems = []
+    optimizer = check_optimizer(config)
+    if optimizer:
+        problems.append(optimizer)
+    problems += check_precision(config, capability)
+    if args.init_from and not Path(args.init_from).is_dir():
+        problems.append(f"--init-from {args.init_from} is not a folder; pass an HF checkpoint folder "
+                        "(ELECTRA: one holding generator/ and discriminator/)")
+    problems += _check_output_dir(args.output_dir, nodes)
+    problems += _check_corpus(args.train_data)
+    return problems
+
+
+def parameter_count(preset: str) -> int:
+    """Trainable parameters of a preset (shared embeddings once), built on the meta device: no memory."""
+    import torch
+
+    from truneg.models import ObjectiveConfig, build_pretrainer
+
+    with torch.device("meta"):
+        model = build_pretrainer(preset, ObjectiveConfig())
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def summary(args: argparse.Namespace, config: dict, world_size: int, capability, params: int | None) -> list[str]:
+    """`key: value` lines: what the run would do."""
+    precision = ds_config.precision_of(config)
+    scheduler = (config.get("scheduler") or {}).get("params") or {}
+    global_batch = config["train_batch_size"]
+    where = "CPU" if capability is None else f"sm_{capability[0]}{capability[1]}"
+    lines = [
+        f"world size: {world_size}",
+        f"micro-batch: {config['train_micro_batch_size_per_gpu']}",
+        f"gradient accumulation: {config['gradient_accumulation_steps']}",
+        f"global batch: {global_batch}",
+        f"precision: {precision} ({where})",
+        f"ZeRO stage: {(config.get('zero_optimization') or {}).get('stage', 0)}",
+        f"optimizer: {(config.get('optimizer') or {}).get('type')} ({deepspeed_optimizer(config)[0]}), "
+        f"lr {(config.get('optimizer') or {}).get('params', {}).get('lr')}",
+        f"steps: {args.max_steps}",
+        f"warmup: {scheduler.get('warmup_num_steps', 'none')}",
+        f"sequence length: {args.seq_len}",
+        f"tokens seen: {args.max_steps * global_batch * args.seq_len:,}",
+    ]
+    saves = args.max_steps // args.save_steps if args.save_steps else 0
+    kept = min(saves, args.keep_checkpoints) if args.keep_checkpoints else saves
+    if params is not None:
+        size = params * BYTES_PER_PARAM[precision]
+        lines.append(f"checkpoint size: {size / 1e9:.1f} GB (estimate: {params / 1e6:.0f}M parameters x "
+                     f"{BYTES_PER_PARAM[precision]} bytes: weights, fp32 master, two moments)")
+        lines.append(f"checkpoints kept: {kept} of {saves} ({kept * size / 1e9:.1f} GB)")
+    else:
+        lines.append(f"checkpoints kept: {kept} of {saves}")
+    return lines
+
+
+def check_ssh(hosts: list[str], timeout_s: int = 10) -> list[str]:
+    """Hosts that passwordless ssh does not reach (the pdsh/ssh launchers need it)."""
+    problems = []
+    for host in hosts:
+        try:
+            result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", host, "true"],
+                                    capture_output=True, text=True, timeout=timeout_s + 5)
+            failed = result.returncode != 0
+            detail = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        except (OSError, subprocess.TimeoutExpired) as err:
+            failed, detail = True, str(err)
+        if failed:
+            problems.append(f"ssh to {host} failed ({detail}); set up passwordless ssh from this node")
+    return problems
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from truneg.pretrain import build_parser as pretrain_parser
+
+    parser = pretrain_parser()
+    parser.prog = "truneg preflight"
+    parser.description = __doc__
+    parser.add_argument("--hostfile", help="DeepSpeed hostfile; without it: one node with this machine's GPUs")
+    parser.add_argument("--gpu-arch", choices=sorted(GPU_ARCHS),
+                        help="the nodes' GPU generation, when this machine has none (sm70 V100, sm80 A100, sm90 H100/H200)")
+    parser.add_argument("--check-ssh", action="store_true", help="also reach every node of the hostfile over ssh")
+    return parser
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Print the summary and return 0, or print one line per problem and return 2."""
+    from truneg.hostfile import check_hostfile
+    from truneg.models import MAX_POSITIONS, check_preset
+
+    args = build_parser().parse_args(argv)
+    problems: list[str] = []
+    hosts: dict[str, int] = {}
+    if args.hostfile:
+        try:
+            hosts = check_hostfile(args.hostfile)
+        except UserError as err:
+            problems.append(str(err))
+    capability = GPU_ARCHS[args.gpu_arch] if args.gpu_arch else ds_config.local_capability()
+    if hosts:
+        world_size = sum(hosts.values())
+    else:
+        import torch
+
+        world_size = torch.cuda.device_count() if capability is not None and not args.gpu_arch else 1
+        world_size = max(world_size, 1)
+    try:
+        if args.model is not None:
+            check_preset(args.model)
+    except UserError as err:
+        problems.append(str(err))
+    if args.seq_len > MAX_POSITIONS:
+        problems.append(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} or less")
+    for name in ("seq_len", "max_steps", "log_steps"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    config, choices = None, []
+    try:
+        config, choices = resolve_config(args, world_size, capability)
+    except UserError as err:
+        problems.append(str(err))
+    if config is not None:
+        problems += check_start(args, config, world_size, capability, nodes=max(len(hosts), 1))
+    if args.check_ssh and hosts:
+        problems += check_ssh(list(hosts))
+    if problems:
+        for problem in problems:
+            print(f"truneg: error: {problem}", file=sys.stderr, flush=True)
+        return 2
+    preset = effective_preset(args)
+    params = parameter_count(preset) if preset else None
+    if hosts:
+        print(f"hostfile: {args.hostfile} ({len(hosts)} nodes: {', '.join(f'{h}={s}' for h, s in hosts.items())})")
+    for line in choices:
+        key, _, value = line.partition(": ")
+        print(line if value and key == "config" else f"note: {line}")
+    for line in summary(args, config, world_size, capability, params):
+        print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()

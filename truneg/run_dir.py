@@ -1,0 +1,121 @@
+"""The run's output folder: one run per folder (`run.json` records what makes it that run), and a check
+that every node sees the same folder (only rank 0 writes `latest` and the run record)."""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from truneg.errors import UserError
+from truneg.run_config import RunConfig
+
+RUN_FILE = "run.json"
+SHARED_PROBE_TIMEOUT_S = 10.0  # network file systems cache attributes for a few seconds
+
+
+def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
+    """What makes two invocations the same run: everything but lengths, intervals and monitor paths.
+    `parts` names what was built or loaded (model architecture, the synonym table's and the data's hashes)."""
+    per_world = ("tensorboard", "csv_monitor", "wandb", "comet", "train_micro_batch_size_per_gpu",
+                 "gradient_accumulation_steps", "checkpoint")
+    config = {k: copy.deepcopy(v) for k, v in ds_config.items() if k not in per_world}
+    scheduler = config.get("scheduler", {}).get("params", {})
+    scheduler.pop("total_num_steps", None)
+    return {
+        "model": cfg.model, "train_data": sorted(str(Path(p).resolve()) if not p.startswith("hf:") else p
+                                                 for p in cfg.train_data),
+        "tokenizer": str(cfg.tokenizer), "seq_len": cfg.seq_len, "max_predictions": cfg.max_predictions,
+        "seed": cfg.seed, "init_from": cfg.init_from, "hc": cfg.hc, "hc_prediction": cfg.hc_prediction,
+        "sr": cfg.sr, "sr_weight": cfg.sr_weight, "sr_sent_target": cfg.sr_sent_target, "dropout": cfg.dropout,
+        "ds_config": config, **parts,
+    }
+
+
+# Fields added after runs were already recorded: a record without them is an older truneg's, resumed with a
+# warning rather than refused.
+LATER_FIELDS = ("max_predictions", "sr_sent_target", "architecture", "synonym_table", "data")
+
+
+def _same_run(previous: dict | None, identity: dict) -> tuple[bool, list[str]]:
+    if previous is None:
+        return False, []
+    missing = [k for k in LATER_FIELDS if k in identity and k not in previous]
+    trimmed = {k: v for k, v in identity.items() if k not in missing}
+    return previous == trimmed, missing
+
+
+def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
+    """Refuse an --output-dir holding another run's checkpoints unless --overwrite; record this run."""
+    out = cfg.output_dir
+    identity = json.loads(json.dumps(identity))
+    run_file = out / RUN_FILE
+    has_checkpoints = cfg.checkpoint_dir.is_dir() and any(cfg.checkpoint_dir.iterdir())
+    missing: list[str] = []
+    if run_file.is_file():
+        try:
+            previous = json.loads(run_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            previous = None
+        same, missing = _same_run(previous, identity)
+        different = not same
+    else:
+        different = has_checkpoints
+    fresh_start = cfg.resume == "none" and has_checkpoints
+    if (different and has_checkpoints or fresh_start) and not cfg.overwrite:
+        what = "another run's checkpoints" if different else "checkpoints of this run"
+        raise UserError(
+            f"{out} holds {what}; resume it with --resume auto and the same arguments, choose another "
+            "--output-dir, or pass --overwrite to delete them"
+        )
+    if missing and has_checkpoints and rank == 0:
+        print(f"truneg: warning: {run_file} predates the fields {', '.join(missing)}; resuming it as the same run",
+              flush=True)
+    dist.barrier()  # every rank has read run.json before rank 0 rewrites it
+    if rank == 0:
+        if cfg.overwrite:
+            for name in ("checkpoints", "tensorboard", "csv"):
+                shutil.rmtree(out / name, ignore_errors=True)
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = run_file.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(run_file)
+    dist.barrier()
+
+
+def check_shared_output_dir(output_dir: Path, rank: int, world_size: int) -> None:
+    """Every rank reads back a file that rank 0 wrote in --output-dir. A node with a folder of its own
+    (node-local storage) would find no checkpoint and start afresh while rank 0 resumes: the run would hang
+    or silently diverge. Stops on every rank with one line."""
+    if world_size == 1:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    device = get_accelerator().current_device_name()  # NCCL takes device tensors only
+    nonce = torch.randint(0, 2**62, (1,)) if rank == 0 else torch.zeros(1, dtype=torch.int64)
+    nonce = nonce.to(device)
+    dist.broadcast(nonce, src=0)
+    probe = output_dir / f".truneg-shared-{int(nonce.item()):x}"
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text(socket.gethostname(), encoding="utf-8")
+    dist.barrier()
+    deadline = time.monotonic() + SHARED_PROBE_TIMEOUT_S
+    while not probe.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    blind = torch.tensor([0 if probe.is_file() else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(blind)
+    dist.barrier()
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    if blind.item():
+        raise UserError(
+            f"{int(blind.item())} of {world_size} ranks do not see {output_dir} as rank 0 wrote it: "
+            "--output-dir must be one folder every node shares (NFS, Lustre, ...), not node-local storage"
+        )
