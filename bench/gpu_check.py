@@ -107,7 +107,7 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
 
     from truneg.data import ensure_prepared, load_tokenizer
 
-    shipped = DS_CONFIGS / "electra_small_a100_bf16_zero2.json"
+    shipped = DS_CONFIGS / "electra_small_a100_bf16_zero1.json"
     config = config_for(shipped, mode, work)
     shutil.rmtree(work / "stage2", ignore_errors=True)
     # A cache of its own (stage 1 runs beside this one), prepared once here before two processes race on it.

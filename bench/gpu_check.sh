@@ -91,7 +91,8 @@ note "info: $(status $?)"
 # this machine's nvcc; start both now so that stage 1 finds them built or under way.
 BUILDS=()
 if [ $DRY = 0 ]; then
-  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null)}
+  # This GPU's plain major.minor: DeepSpeed's op builder cannot parse an image's "9.0a" (see truneg.distributed)
+  export TORCH_CUDA_ARCH_LIST=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null)
   export MAX_JOBS=${MAX_JOBS:-$(nproc)}
   prebuild() {
     local t0=$SECONDS

@@ -104,7 +104,7 @@ def stage_syncs(mode: Mode, note: Summary, work: Path) -> bool:
 
     from truneg import loop
 
-    shipped = DS_CONFIGS / "bert_large_a100_bf16_zero2.json"
+    shipped = DS_CONFIGS / "bert_large_a100_bf16_zero1.json"
     model = mode.preset("bert", large=True)
     argv = common_args(mode, model, config_for(shipped, mode, work), mode.sync_micro, 1)
     argv += ["--max-steps", "10", "--save-steps", "0", "--hc", "wordnet", "--sr", "word", "--overwrite"]
@@ -170,11 +170,11 @@ def measure_gemm(cuda: bool) -> float:
 
 
 BENCH_VARIANTS = [  # (name, family, config, HC+SR, --compile); in this order, so a timeout cuts the least needed
-    ("bert zero2 baseline", "bert", "bert_large_a100_bf16_zero2.json", False, False),
-    ("bert zero2 hc+sr", "bert", "bert_large_a100_bf16_zero2.json", True, False),
-    ("electra zero2 baseline", "electra", "electra_base_a100_bf16_zero2.json", False, False),
-    ("electra zero2 hc+sr", "electra", "electra_base_a100_bf16_zero2.json", True, False),
-    ("bert zero2 hc+sr compile", "bert", "bert_large_a100_bf16_zero2.json", True, True),
+    ("bert zero1 baseline", "bert", "bert_large_a100_bf16_zero1.json", False, False),
+    ("bert zero1 hc+sr", "bert", "bert_large_a100_bf16_zero1.json", True, False),
+    ("electra zero1 baseline", "electra", "electra_base_a100_bf16_zero1.json", False, False),
+    ("electra zero1 hc+sr", "electra", "electra_base_a100_bf16_zero1.json", True, False),
+    ("bert zero1 hc+sr compile", "bert", "bert_large_a100_bf16_zero1.json", True, True),
     ("bert zero3 baseline", "bert", "bert_large_a100_bf16_zero3.json", False, False),
     ("bert zero3 hc+sr", "bert", "bert_large_a100_bf16_zero3.json", True, False),
 ]

@@ -34,7 +34,7 @@ export DS_ENV_FILE="$OUTPUT/deepspeed_env"
 "$PYTHON" -m truneg.hostfile "$HOSTFILE" --env-file "$DS_ENV_FILE"
 
 recipe() {  # recipe STEM: the recipe's config for $GPU
-  echo "$REPO/ds_configs/${1}_${PRECISION}_zero2.json"
+  if [ "$PRECISION" = a100_bf16 ]; then echo "$REPO/ds_configs/${1}_${PRECISION}_zero1.json"; else echo "$REPO/ds_configs/${1}_${PRECISION}_zero2.json"; fi
 }
 
 launch() {

@@ -178,8 +178,8 @@ def test_every_ds_config_is_valid_for_deepspeed():
             assert config.float16_config.enabled and config.float16_config.loss_scale == 0  # dynamic scaling
             # LAMB only unpartitioned (ZeRO-0): DeepSpeed's ZeRO does not support FusedLamb
             assert (raw["optimizer"]["type"], stage) in (("Lamb", 0), ("AdamW", 2))
-        if "bf16" in path.name:  # ZeRO-2 by default, ZeRO-3 kept for who needs it; fp32 gradient accumulation
-            assert config.bfloat16_config.enabled and stage in (2, 3) and config.grad_accum_dtype == "fp32"
+        if "bf16" in path.name:  # ZeRO-1 by default, ZeRO-3 kept for who needs it; fp32 gradient accumulation
+            assert config.bfloat16_config.enabled and stage in (1, 3) and config.grad_accum_dtype == "fp32"
         if path.name.startswith("cpu"):
             assert raw["optimizer"]["params"]["torch_adam"] is True
         assert config.gradient_clipping > 0 and raw["scheduler"]["params"]["total_num_steps"] == "auto"

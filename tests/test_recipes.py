@@ -141,8 +141,8 @@ def test_optimizer_and_zero_stage_agree_with_deepspeed_for_every_shipped_config(
         "sgd_zero2": _variant("cpu_zero2.json", optimizer={"type": "SGD", "params": {"lr": 0.1}}),
         "sgd_zero2_untested": _variant("cpu_zero2.json", optimizer={"type": "SGD", "params": {"lr": 0.1}},
                                        zero_allow_untested_optimizer=True),
-        "bf16_zero0_fp32_accum": _variant("bert_large_a100_bf16_zero2.json", zero_optimization={"stage": 0}),
-        "bf16_zero0": _variant("bert_large_a100_bf16_zero2.json", zero_optimization={"stage": 0}, data_types={}),
+        "bf16_zero0_fp32_accum": _variant("bert_large_a100_bf16_zero1.json", zero_optimization={"stage": 0}),
+        "bf16_zero0": _variant("bert_large_a100_bf16_zero1.json", zero_optimization={"stage": 0}, data_types={}),
         "adagrad_zero3": _variant("cpu_zero3.json", optimizer={"type": "Adagrad", "params": {"lr": 0.1}}),
     })
     for name, config in cases.items():
@@ -169,7 +169,7 @@ def test_bf16_accumulates_in_fp32_under_zero_and_the_lamb_recipe_stays_fp16():
         if config["optimizer"]["type"] == "Lamb":
             assert stage == 0 and dsc.precision_of(config) == "fp16", path.name
     # a bf16 config at ZeRO-0 says that it accumulates in bf16
-    user = REPO / "ds_configs" / "bert_large_a100_bf16_zero2.json"
+    user = REPO / "ds_configs" / "bert_large_a100_bf16_zero1.json"
     raw = {**_raw(user), "zero_optimization": {"stage": 0}}
     raw.pop("data_types")
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"bf16_zero0_{os.getpid()}.json"
@@ -202,11 +202,11 @@ def test_precision_follows_compute_capability_not_emulation(gpu):
             for continued in (False, True):
                 path = dsc.default_config_path(preset, continued=continued)
                 config, choices = dsc.resolve(path, 8, 300, Path("/tmp/unused"))
-                assert dsc.precision_of(config) == precision and config["zero_optimization"]["stage"] == 2, path
+                assert dsc.precision_of(config) == precision and config["zero_optimization"]["stage"] == (1 if precision == "bf16" else 2), path
                 assert config["scheduler"]["params"]["warmup_num_steps"] < 300, path  # fits the default --max-steps
                 assert preflight.check_precision(config, capability) == []
         assert ("continued" in dsc.default_config_path("bert-large", continued=True).name)
-    bf16 = dsc.resolve(REPO / "ds_configs" / "bert_large_a100_bf16_zero2.json", 8, 300, Path("/tmp/unused"))[0]
+    bf16 = dsc.resolve(REPO / "ds_configs" / "bert_large_a100_bf16_zero1.json", 8, 300, Path("/tmp/unused"))[0]
     [line] = preflight.check_precision(bf16, (7, 0))
     assert "sm_70 only emulates" in line and "v100_fp16" in line
     assert dsc.default_config_path("bert-large", capability=None) == dsc.CPU_CONFIG

@@ -236,6 +236,23 @@ def test_resume_on_another_world_size_two_to_one_and_back(runs, tmp_path, launch
     close_losses(read_metrics(out), reference, 16)
 
 
+def test_a_zero_0_checkpoint_resumes_on_another_world_size_directly(runs, tmp_path, launch_env, small_corpus):
+    """At ZeRO stage 0 every rank holds the whole optimizer: there are no ZeRO partitions for ds_to_universal
+    to convert, and the checkpoint loads on any world size as it is."""
+    reference = read_metrics(runs("bert-deterministic")[0])
+    config = json.loads((REPO / "ds_configs" / "cpu_zero2.json").read_text())
+    config["zero_optimization"] = {"stage": 0}
+    (tmp_path / "zero0.json").write_text(json.dumps(config))
+    out = tmp_path / "zero0"
+    args = [*train_args("bert-deterministic", out, small_corpus), "--deepspeed_config", str(tmp_path / "zero0.json")]
+    run(deepspeed_cmd(*args, "--max-steps", "8", port=free_port()), launch_env)
+    assert not list((out / "checkpoints" / "global_step8").glob("*zero_pp_rank*"))
+    one = run(deepspeed_cmd(*args, "--gradient-accumulation-steps", "2", num_gpus=1, port=free_port()), launch_env)
+    assert "universal" not in one.stdout and f"resumed from {out / 'checkpoints'} at step 8" in one.stdout
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, MAX_STEPS + 1))
+    close_losses(read_metrics(out), reference, 8)  # ZeRO-0 and ZeRO-2 do the same fp32 arithmetic
+
+
 def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launch_env, small_corpus):
     reference_dir, _ = runs("bert-zero2")
     hostfile = tmp_path / "hosts"

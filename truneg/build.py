@@ -47,10 +47,12 @@ def check_start(cfg: RunConfig, world_size: int) -> Start:
     from deepspeed.accelerator import get_accelerator
 
     from truneg.data import ensure_prepared, load_tokenizer
-    from truneg.distributed import refuse_stale_build_lock
+    from truneg.distributed import plain_cuda_arch_list, refuse_stale_build_lock
 
     if get_accelerator().device_name() == "cpu":
         refuse_stale_build_lock("deepspeed_shm_comm")  # gloo ranks load DeepSpeed's CPU comm op
+    else:
+        plain_cuda_arch_list()
     fresh = cfg.resume == "none" or cfg.overwrite
     resume = None if fresh else checkpoint.find_resume_point(cfg.resume, cfg.output_dir)
     ds_config = deepspeed_config(cfg, world_size, load_universal=bool(resume and resume.universal(world_size)))

@@ -202,9 +202,15 @@ class ResumePoint:
     tag: str
     saved_world_size: int | None
 
+    @property
+    def partitioned(self) -> bool:
+        """Written at ZeRO stage 1-3: the optimizer (and at 3 the weights) in per-rank partitions."""
+        return any((self.checkpoint_dir / self.tag).glob("*zero_pp_rank_*"))
+
     def universal(self, world_size: int) -> bool:
-        """Written on another world size: loaded through DeepSpeed's universal checkpoint."""
-        return self.saved_world_size not in (None, world_size)
+        """Written on another world size with ZeRO partitions: loaded through DeepSpeed's universal checkpoint.
+        At ZeRO stage 0 every rank holds the whole state, which loads on any world size as it is."""
+        return self.saved_world_size not in (None, world_size) and self.partitioned
 
 
 def find_resume_point(resume: str, output_dir: Path) -> ResumePoint | None:

@@ -18,7 +18,8 @@ DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 CPU_CONFIG = DS_CONFIGS / "cpu_zero2.json"
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores. Below it (V100, sm_70) bf16 is only emulated.
 
-# (preset, continued from a checkpoint) -> recipe stem; the hardware picks `<stem>_<v100_fp16|a100_bf16>_zero2`.
+# (preset, continued from a checkpoint) -> recipe stem; the hardware picks `<stem>_v100_fp16_zero2` or
+# `<stem>_a100_bf16_zero1` (ZeRO-1: 1.7x ZeRO-2's samples/s for BERT-large on one H200, README "GPU check").
 _RECIPES = {
     ("electra-tiny", False): "electra_small", ("electra-tiny", True): "electra_small",
     ("electra-small", False): "electra_small", ("electra-small", True): "electra_small",
@@ -62,7 +63,7 @@ def default_config_path(preset: str | None = None, capability: tuple[int, int] |
         return CPU_CONFIG
     stem = _RECIPES.get((preset or "electra-base", bool(continued)), "electra_small")
     hardware = "a100_bf16" if precision_for(capability) == "bf16" else "v100_fp16"
-    return DS_CONFIGS / f"{stem}_{hardware}_zero2.json"
+    return DS_CONFIGS / f"{stem}_{hardware}_{'zero1' if hardware == 'a100_bf16' else 'zero2'}.json"
 
 
 def read_config(path: str | Path) -> dict:

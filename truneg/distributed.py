@@ -76,6 +76,22 @@ def _unlink_shm_allreduce_buffer() -> None:
     (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
+def plain_cuda_arch_list() -> None:
+    """DeepSpeed 0.19's op builder parses TORCH_CUDA_ARCH_LIST as `major.minor` integers, so an image's
+    `9.0a` (the arch-specific Hopper target) fails every fused-optimizer build with "invalid literal for
+    int(): '0a'". Keep the plain targets; the fused optimizers need nothing arch-specific."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return
+    entries = value.replace(";", " ").split()
+    plain = [e.rstrip("af") if e[:1].isdigit() else e for e in entries]
+    if plain != entries:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = " ".join(dict.fromkeys(plain))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"truneg: TORCH_CUDA_ARCH_LIST {value!r} -> {os.environ['TORCH_CUDA_ARCH_LIST']!r} "
+                  "(DeepSpeed's op builder reads plain major.minor targets)", flush=True)
+
+
 def seed(run_seed: int, rank: int | None = None, step: int | None = None) -> None:
     """The run's seeding, all of it:
     - `seed(s)`: before the model is built, the same on every rank (identical initial weights; ZeRO-3

@@ -1,0 +1,90 @@
+"""Where BERT-large's bf16 step time goes on one GPU: the same model and batch through truneg's DeepSpeed step
+at ZeRO-0, 1 and 2, against a plain torch loop (bf16 weights, fused torch AdamW, no DeepSpeed) measured in
+the same run. Prints samples/s and each one's ratio to the plain loop.
+
+    python bench/gpu_zero_stages.py            # on a GPU (bench/gpu_check.sh's wheel folder installed)
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+REPO = Path(__file__).resolve().parent.parent
+MICRO, ACCUM = 64, 4
+STEPS = 25 if "--compile-only" in sys.argv else 15
+
+
+def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = ()) -> float:
+    from truneg import pretrain
+
+    config = json.loads((REPO / "ds_configs" / "bert_large_a100_bf16_zero1.json").read_text())
+    config["zero_optimization"] = {"stage": stage}
+    if stage == 0:  # DeepSpeed refuses fp32 gradient accumulation with bf16 at stage 0
+        config.pop("data_types", None)
+    path = work / f"zero{stage}.json"
+    path.write_text(json.dumps(config))
+    out = work / f"zero{stage}{'_'.join(extra)}"
+    pretrain.main(["--model", "bert-large", "--deepspeed_config", str(path), "--micro-batch-size", str(MICRO),
+                   "--gradient-accumulation-steps", str(ACCUM), "--max-steps", str(STEPS), "--log-steps", "5",
+                   "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *extra])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["samples_per_sec"] for r in records[1:])
+
+
+def plain_rate() -> float:
+    import numpy as np
+
+    from truneg.data import load_tokenizer
+    from truneg.masking import mask_tokens
+    from truneg.models import ObjectiveConfig, build_pretrainer
+
+    tokenizer = load_tokenizer()
+    model = build_pretrainer("bert-large", ObjectiveConfig()).cuda().to(torch.bfloat16).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    rows = np.random.default_rng(0).integers(1000, 30000, (MICRO, 128))
+    rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
+    batch = {k: v.cuda() for k, v in mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id,
+                                                  len(tokenizer), "bert", 0, 0, np.arange(MICRO), 20).items()}
+    times = []
+    for step in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(ACCUM):
+            loss, _ = model(**batch)
+            (loss / ACCUM).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= 3:
+            times.append(time.perf_counter() - t0)
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return MICRO * ACCUM / statistics.median(times)
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="zero_stages_"))
+    if "--compile-only" in sys.argv:  # ZeRO-1 with and without torch.compile
+        rates = {flag: deepspeed_rate(1, work, flag) for flag in ((), ("--compile",))}
+        print(f"RESULT zero1_compile_speedup={rates[('--compile',)] / rates[()]:.3f}")
+        return
+    plain = plain_rate()
+    print(f"plain torch bf16 loop: {plain:.1f} samples/s", flush=True)
+    rates = {}
+    for stage in (0, 1, 2):
+        rates[stage] = deepspeed_rate(stage, work)
+        print(f"truneg + DeepSpeed ZeRO-{stage}: {rates[stage]:.1f} samples/s ({rates[stage] / plain:.2f}x the plain loop)",
+              flush=True)
+    print("RESULT " + " ".join(f"zero{s}_vs_plain={r / plain:.3f}" for s, r in rates.items()) + f" plain={plain:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The output folder's run record: what makes two invocations the same run, in one process (a world of one)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+from conftest import free_port
+
+from truneg.errors import UserError
+from truneg.pretrain import parse_args
+from truneg.run_config import RunConfig
+from truneg.run_dir import RUN_FILE, claim_output_dir, run_identity
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def identity(cfg: RunConfig, table_hash: str) -> dict:
+    parts = {"architecture": {"family": "bert", "layers": 2}, "synonym_table": table_hash, "data": "prepared-abc"}
+    return run_identity(cfg, {"optimizer": {"type": "AdamW"}}, parts)
+
+
+def test_a_rebuilt_synonym_table_is_another_run_and_an_older_record_resumes_with_a_warning(tmp_path, capsys):
+    cfg = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--hc", "wordnet", "--output-dir", str(tmp_path)]))
+    claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)
+    record = json.loads((tmp_path / RUN_FILE).read_text())
+    assert record["synonym_table"] == "table-1" and record["data"] == "prepared-abc"
+    (tmp_path / "checkpoints" / "global_step5").mkdir(parents=True)
+    claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)  # the same run resumes
+    with pytest.raises(UserError, match="holds another run's checkpoints"):
+        claim_output_dir(cfg, identity(cfg, "table-2"), rank=0)  # same --hc string, another table
+    # a record an older truneg wrote, before the table's hash, the architecture and the data were recorded
+    older = {k: v for k, v in record.items() if k not in ("synonym_table", "architecture", "data", "max_predictions",
+                                                           "sr_sent_target")}
+    (tmp_path / RUN_FILE).write_text(json.dumps(older))
+    claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)
+    assert "predates the fields" in capsys.readouterr().out
+    assert json.loads((tmp_path / RUN_FILE).read_text())["synonym_table"] == "table-1"
+    older["seed"] = 7  # but a real difference is still refused
+    (tmp_path / RUN_FILE).write_text(json.dumps(older))
+    with pytest.raises(UserError, match="holds another run's checkpoints"):
+        claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)
