@@ -113,7 +113,7 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
     # A cache of its own (stage 1 runs beside this one), prepared once here before two processes race on it.
     os.environ["TRUNEG_CACHE"] = str(work / "stage2" / "cache")
     ensure_prepared(str(CORPUS), load_tokenizer(), mode.seq_len)
-    steps, save = 12, 4
+    steps, save = int(os.environ.get("GPU_CHECK_RESUME_STEPS", 12)), 4  # more: how the tests make it outlast a timeout
     argv = common_args(mode, "electra-tiny", config, mode.resume_micro, mode.accum_cap)
     argv += ["--max-steps", str(steps), "--save-steps", str(save), "--log-steps", "1", "--hc", "wordnet", "--sr", "word"]
     ref_dir, killed_dir = work / "stage2" / "reference", work / "stage2" / "killed"

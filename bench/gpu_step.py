@@ -98,7 +98,7 @@ class _CpuSyncOps:
 
 
 def stage_syncs(mode: Mode, note: Summary, work: Path) -> bool:
-    """Stage 3: one BERT-large HC+SR step (bf16 ZeRO-2), host syncs counted per phase; the goal is 0 in the
+    """Stage 3: one BERT-large HC+SR step (bf16 ZeRO-1), host syncs counted per phase; the goal is 0 in the
     forward and the backward. The real loop's set-up (truneg.pretrain.main) with the loop replaced."""
     import torch
 

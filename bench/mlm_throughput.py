@@ -46,12 +46,14 @@ def bench_size(name: str, batch_size: int, steps: int) -> float:
     ours = BertPretrainer(copy.deepcopy(hf), ObjectiveConfig()).train()
     batch = real_batch(load_tokenizer(), batch_size, 128, "bert")
     labels = hf_labels(batch)
+    ones = torch.ones_like(batch["input_ids"])
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4)
     our_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     hf_times, our_times = [], []
     for step in range(steps + 1):  # step 0 warms up
-        # both without an attention mask (packed blocks have no padding), both with SDPA attention
-        pair = [("hf", lambda: hf(input_ids=batch["input_ids"], labels=labels).loss, hf_opt),
+        # HF as run_mlm calls it: the tokenizer's attention mask (all ones here), labels at every position.
+        # truneg passes no mask for packed blocks (none has padding). Both use SDPA attention.
+        pair = [("hf", lambda: hf(input_ids=batch["input_ids"], attention_mask=ones, labels=labels).loss, hf_opt),
                 ("ours", lambda: ours(**batch)[0], our_opt)]
         for who, fn, opt in pair if step % 2 else pair[::-1]:
             seconds = step_time(fn, opt)

@@ -15,7 +15,7 @@ def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, sm
     proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--preset", "bert-tiny", "--tasks", "rte",
                            "--steps", "6", "--train-data", str(small_corpus), "--seq-len", "64", "--micro-batch-size", "4",
                            "--glue-dir", str(glue), "--max-train-samples", "64", "--epochs", "1", "--output-dir", str(out),
-                           "--master-port", str(free_port())],
+                           "--master-port", str(free_port()), "--num-gpus", "1"],
                           env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "ablation.json").read_text())

@@ -39,7 +39,9 @@ def dry_run(tmp_path_factory, launch_env):
 def cut_run(tmp_path_factory, launch_env):
     """Stage 2 killed by its timeout while its training processes run; then stage 3."""
     tmp_path = tmp_path_factory.mktemp("gpu_check_cut")
-    return (*_dry_run(tmp_path, launch_env, STAGES="2,3", STAGE2_TIMEOUT_S="15"), tmp_path / "work")
+    # 2,000 steps: stage 2 cannot end before its 15 s, however quiet the machine
+    return (*_dry_run(tmp_path, launch_env, STAGES="2,3", STAGE2_TIMEOUT_S="15", GPU_CHECK_RESUME_STEPS="2000"),
+            tmp_path / "work")
 
 
 def test_every_stage_passes_and_out_is_only_appended_to(dry_run):
@@ -75,7 +77,7 @@ def test_stage2_resume_after_kill_matches_the_uninterrupted_run(dry_run):
 
 def test_stage3_counts_no_host_sync_in_forward_and_backward(cut_run):
     _, _, summary, _ = cut_run
-    counts = re.search(r"syncs \(bert-tiny HC\+SR, fp32 ZeRO-2.*\): (.*)$", summary, re.M)
+    counts = re.search(r"syncs \(bert-tiny HC\+SR, fp32 ZeRO-1.*\): (.*)$", summary, re.M)
     assert counts, summary
     phases = dict(item.rsplit(" ", 1) for item in counts[1].split(", "))
     assert phases["forward"] == "0" and phases["backward"] == "0", phases
@@ -89,7 +91,7 @@ def test_stage4_measures_every_variant(dry_run):
                 "bert zero3 baseline", "bert zero3 hc+sr", "bert zero1 hc+sr compile"]
     for variant in variants:
         line = next(line for line in summary.splitlines() if line.startswith(f"  {variant}: "))
-        zero = "3" if "zero3" in variant else "2"
+        zero = "3" if "zero3" in variant else "1"
         assert re.search(rf"fp32 ZeRO-{zero} AdamW: \d+\.\d samples/s; MFU \d+\.\d% of the GEMM ", line), line
     assert summary.count("HC+SR step time / baseline: ") == 3
     assert "--compile speed-up: " in summary

@@ -116,7 +116,7 @@ def test_ids_round_trip_through_the_narrowest_dtype(tmp_path, vocab, dtype):
     tokenizer = _word_tokenizer(vocab)
     ids = np.random.default_rng(0).integers(5, vocab, 3000)  # ids past 32767 catch a signed 16-bit store
     (tmp_path / "c.txt").write_text(" ".join(f"w{i - 5}" for i in ids) + "\n")
-    blocks, _ = open_training_blocks(str(tmp_path / "c.txt"), tokenizer, SEQ, tmp_path / "cache", 1)
+    blocks, _ = open_training_blocks(str(tmp_path / "c.txt"), tokenizer, SEQ, cache_dir=tmp_path / "cache", num_proc=1)
     assert blocks.index["dtype"] == dtype and blocks[np.arange(3)].dtype == np.int32
     assert (blocks[np.arange(len(blocks))] == pack_blocks(ids, SEQ, 2, 3)).all()
 
@@ -136,16 +136,16 @@ def test_hf_sources_from_the_command_line(tmp_path, tokenizer):
     opened = {}
     for split in ("train", "test"):
         args = parse_args(["--train-data", f"hf:{folder}@{split}#content", "--seq-len", "8", "--cache-dir", str(cache)])
-        blocks, fingerprint = open_training_blocks(args.train_data, tokenizer, args.seq_len, args.cache_dir, 1)
+        blocks, fingerprint = open_training_blocks(args.train_data, tokenizer, args.seq_len, cache_dir=args.cache_dir, num_proc=1)
         stream = [t for text in rows[split] for t in tokenizer(text, add_special_tokens=False)["input_ids"]
                   + [tokenizer.sep_token_id]]  # each row is a document
         assert (blocks[np.arange(len(blocks))] == pack_blocks(np.array(stream), 8, 101, 102)).all()
         opened[split] = fingerprint, blocks.folder
     assert opened["train"][0] != opened["test"][0] and opened["train"][1] != opened["test"][1], "splits do not collide"
     with pytest.raises(UserError, match="has no column 'text'"):
-        open_training_blocks(parse_args(["--train-data", f"hf:{folder}"]).train_data, tokenizer, 8, cache, 1)
+        open_training_blocks(parse_args(["--train-data", f"hf:{folder}"]).train_data, tokenizer, 8, cache_dir=cache, num_proc=1)
     with pytest.raises(UserError, match="cannot load HF dataset"):
-        open_training_blocks([f"hf:{tmp_path / 'no_such_dataset'}#text"], tokenizer, 8, cache, 1)
+        open_training_blocks([f"hf:{tmp_path / 'no_such_dataset'}#text"], tokenizer, 8, cache_dir=cache, num_proc=1)
 
 
 def test_bad_prepared_folders_are_one_line_errors_and_nothing_is_overwritten(tmp_path, corpus, tokenizer, capsys):
@@ -171,3 +171,20 @@ def test_bad_prepared_folders_are_one_line_errors_and_nothing_is_overwritten(tmp
     (out / "index.json").unlink()
     with pytest.raises(UserError, match="unfinished preparation"):
         open_training_blocks(str(out), tokenizer, SEQ)
+
+
+def test_two_launches_preparing_the_same_corpus_at_once_both_succeed(tmp_path):
+    """Two runs (or the local rank 0 of several nodes on one shared cache) prepare the same corpus at the
+    same time: each into a folder of its own, published by one rename; both read the same blocks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from truneg.data import ensure_prepared
+
+    tokenizer = load_tokenizer()
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The primary reason was clear. " * 400)
+    with ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(lambda _: ensure_prepared([str(corpus)], tokenizer, SEQ, tmp_path / "cache", 1), range(2)))
+    assert folders[0] == folders[1]
+    assert [p.name for p in folders[0].parent.iterdir()] == [folders[0].name], "no private folder is left behind"
+    assert len(open_prepared(folders[0], tokenizer, SEQ)) > 0

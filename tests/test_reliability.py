@@ -293,8 +293,10 @@ def test_a_failed_rank_exit_code_passes_through_the_launchers(tmp_path, launch_e
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=1\n")
     script = subprocess.run(
-        ["bash", str(REPO / "launch" / "electra_base.sh"), "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json")],
-        env={**launch_env, "HOSTFILE": str(hostfile), "DATA": str(tmp_path / "no-corpus"), "OUT": str(tmp_path / "out"),
+        ["bash", str(REPO / "launch" / "electra_small.sh"), "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json")],
+        # PREFLIGHT=0: the rank itself, not the preflight, meets the missing corpus
+        env={**launch_env, "HOSTFILE": str(hostfile), "DATA": str(tmp_path / "no-corpus"), "OUTPUT": str(tmp_path / "out"),
+             "PREFLIGHT": "0",
              "PYTHON": sys.executable, "DEEPSPEED": str(Path(sys.executable).parent / "deepspeed"),
              "LAUNCHER_ARGS": f"--no_ssh --node_rank=0 --master_addr 127.0.0.1 --master_port {free_port()}"},
         capture_output=True, text=True, timeout=300)

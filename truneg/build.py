@@ -69,8 +69,8 @@ def open_blocks(cfg: RunConfig, tokenizer):
     from truneg.data import open_training_blocks
 
     dist.barrier()
-    blocks, fingerprint = open_training_blocks(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc,
-                                               prepare=False)
+    blocks, fingerprint = open_training_blocks(cfg.train_data, tokenizer, cfg.seq_len, cache_dir=cfg.cache_dir,
+                                               num_proc=cfg.num_proc, prepare=False)
     return blocks, {"data": fingerprint}
 
 

@@ -221,19 +221,6 @@ def resolve(
     return config, choices
 
 
-def prepare_config(
-    path: str | Path,
-    world_size: int,
-    max_steps: int,
-    output_dir: Path,
-    micro_batch: int | None = None,
-    grad_accum: int | None = None,
-    lr: float | None = None,
-) -> dict:
-    """resolve() without the lines saying what was chosen."""
-    return resolve(path, world_size, max_steps, output_dir, micro_batch, grad_accum, lr)[0]
-
-
 def precision_of(config: dict) -> str:
     if config.get("bf16", {}).get("enabled"):
         return "bf16"

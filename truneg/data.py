@@ -8,6 +8,8 @@ and does not depend on the world size.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,24 +159,27 @@ def ensure_prepared(
             f"the corpus is {size / 1e9:.1f} GB, too large to prepare inside a training launch; run once "
             f"`truneg prepare --train-data {' '.join(specs)} --seq-len {seq_len} --out DIR --num-proc N` "
             "(add --part i/n on n machines) and pass --train-data DIR")
-    return prep.prepare(specs, tokenizer, seq_len, folder, num_proc, hf_cache_dir=cache_dir / "hf")
+    # Into a folder of this process's own, published by one atomic rename: two launches, or the local rank 0
+    # of several nodes sharing the cache, may prepare the same corpus at once.
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    own = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f"{folder.name}.", suffix=".tmp"))
+    prep.prepare(specs, tokenizer, seq_len, own, num_proc, hf_cache_dir=cache_dir / "hf")
+    try:
+        own.rename(folder)
+    except OSError:  # another process published the same preparation first
+        shutil.rmtree(own, ignore_errors=True)
+        if not is_prepared(folder):
+            raise
+    return folder
 
 
-def open_training_blocks(
-    train_data: str | Sequence[str],
-    tokenizer,
-    seq_len: int,
-    cache_dir: Path | None = None,
-    num_proc: int | None = None,
-    *,
-    prepare: bool = True,
-) -> tuple[PreparedBlocks, str]:
+def open_training_blocks(train_data: str | Sequence[str], tokenizer, seq_len: int, **where) -> tuple[PreparedBlocks, str]:
     """(blocks, fingerprint) of --train-data: a prepared folder, or a corpus prepared into the cache.
 
     The fingerprint names the prepared content (tokenizer, seq_len and every shard's bytes): record it
-    with the run, so a folder prepared again from another corpus is not resumed as the same run."""
-    blocks = open_prepared(ensure_prepared(train_data, tokenizer, seq_len, cache_dir, num_proc, prepare=prepare),
-                           tokenizer, seq_len)
+    with the run, so a folder prepared again from another corpus is not resumed as the same run. `where`:
+    ensure_prepared's cache_dir, num_proc and prepare."""
+    blocks = open_prepared(ensure_prepared(train_data, tokenizer, seq_len, **where), tokenizer, seq_len)
     return blocks, blocks.fingerprint
 
 

@@ -42,8 +42,8 @@ def soft_regularization(
     embedding_matrix: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The paper's Eq. 3: mean over masked positions of 1 - cos(E[gold], E[pred]); gradients reach both rows."""
-    gold_vectors = F.embedding(gold, embedding_matrix).float()
-    pred_vectors = F.embedding(pred, embedding_matrix).float()
+    # One lookup of both rows: its backward writes one dense [V, H] gradient, not two.
+    gold_vectors, pred_vectors = F.embedding(torch.stack([gold, pred]), embedding_matrix).float().unbind(0)
     per_position = 1.0 - F.cosine_similarity(gold_vectors, pred_vectors, dim=-1)
     if valid is None:
         return per_position.mean()

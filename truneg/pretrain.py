@@ -21,7 +21,6 @@ import argparse
 import os
 
 from truneg.errors import UserError, exit_on_user_error
-from truneg.export import save_hf_configs
 
 DEFAULT_OUTPUT_DIR = "runs/pretrain"
 
@@ -105,6 +104,7 @@ def checked_start(argv: list[str] | None = None):
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from truneg import build, checkpoint, distributed, loop, run_dir
+    from truneg.export import save_hf_configs
     from truneg.models import architecture
 
     # 1. Checks that need no process group: the DeepSpeed config for this world size, the resume point,
