@@ -7,9 +7,9 @@ import pytest
 from truneg.data import (
     PreparedBlocks,
     ResumableSampler,
-    build_blocks,
+    ensure_prepared,
     load_tokenizer,
-    open_blocks,
+    open_prepared,
     pack_blocks,
 )
 from truneg.errors import UserError
@@ -30,34 +30,34 @@ def test_pack_blocks_frames_each_block():
 def test_build_blocks_tokenizes_documents_and_caches(tmp_path, tokenizer):
     corpus = tmp_path / "c.txt"
     corpus.write_text("the primary school\nwas closed today\n\nanother document begins here\n")
-    path = build_blocks(str(corpus), tokenizer, seq_len=6, cache_dir=tmp_path / "cache", num_proc=1)
-    blocks = open_blocks(path)
+    path = ensure_prepared(str(corpus), tokenizer, seq_len=6, cache_dir=tmp_path / "cache", num_proc=1)
+    blocks = open_prepared(path)
     assert isinstance(blocks, PreparedBlocks)
     expected = tokenizer("the primary school")["input_ids"][1:-1] + tokenizer("was closed today")["input_ids"][1:-1]
     expected += [tokenizer.sep_token_id] + tokenizer("another document begins here")["input_ids"][1:-1]
     assert blocks[:, 1:-1].reshape(-1).tolist() == expected[: blocks.shape[0] * 4]
     mtime = (path / "index.json").stat().st_mtime_ns
-    assert build_blocks(str(corpus), tokenizer, 6, tmp_path / "cache", 1) == path
+    assert ensure_prepared(str(corpus), tokenizer, 6, tmp_path / "cache", 1) == path
     assert (path / "index.json").stat().st_mtime_ns == mtime, "a prepared corpus is reused, not prepared again"
-    assert build_blocks(str(corpus), tokenizer, 8, tmp_path / "cache", 1) != path  # seq-len changes the key
+    assert ensure_prepared(str(corpus), tokenizer, 8, tmp_path / "cache", 1) != path  # seq-len changes the key
     corpus.write_text("a different corpus with other words in it entirely\n")
-    assert build_blocks(str(corpus), tokenizer, 6, tmp_path / "cache", 1) != path  # content changes the key
+    assert ensure_prepared(str(corpus), tokenizer, 6, tmp_path / "cache", 1) != path  # content changes the key
 
 
 def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, tokenizer, capsys):
     corpus = tmp_path / "bad.txt"
     corpus.write_bytes(b"caf\xe9 and more words here to fill a block or two of text\n" * 4)
-    path = build_blocks(str(corpus), tokenizer, 8, tmp_path / "cache", 1)
-    assert open_blocks(path).shape[0] > 0
+    path = ensure_prepared(str(corpus), tokenizer, 8, tmp_path / "cache", 1)
+    assert open_prepared(path).shape[0] > 0
     assert "4 undecodable bytes" in capsys.readouterr().out
 
 
 def test_missing_and_empty_corpus_are_clear_errors(tmp_path, tokenizer):
     with pytest.raises(UserError, match="no text files found"):
-        build_blocks(str(tmp_path / "nope"), tokenizer, 8, tmp_path / "cache", 1)
+        ensure_prepared(str(tmp_path / "nope"), tokenizer, 8, tmp_path / "cache", 1)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(UserError, match="is empty"):
-        build_blocks(str(tmp_path / "empty.txt"), tokenizer, 8, tmp_path / "cache", 1)
+        ensure_prepared(str(tmp_path / "empty.txt"), tokenizer, 8, tmp_path / "cache", 1)
 
 
 def test_sampler_resumes_and_is_independent_of_world_size():
@@ -84,8 +84,8 @@ def test_hf_dataset_with_a_named_text_column(tmp_path, tokenizer):
     folder = tmp_path / "hf_dataset"
     folder.mkdir()
     (folder / "train.csv").write_text("id,content\n1,the primary school was closed\n2,another row of text here\n")
-    path = build_blocks(f"hf:{folder}#content", tokenizer, seq_len=6, cache_dir=tmp_path / "cache", num_proc=1)
+    path = ensure_prepared(f"hf:{folder}#content", tokenizer, seq_len=6, cache_dir=tmp_path / "cache", num_proc=1)
     expected = tokenizer("the primary school was closed")["input_ids"][1:-1]
-    assert open_blocks(path)[0, 1:-1].tolist() == expected[:4]
+    assert open_prepared(path)[0, 1:-1].tolist() == expected[:4]
     with pytest.raises(UserError, match="has no column 'text'"):
-        build_blocks(f"hf:{folder}", tokenizer, 6, tmp_path / "cache", 1)
+        ensure_prepared(f"hf:{folder}", tokenizer, 6, tmp_path / "cache", 1)

@@ -109,12 +109,12 @@ def segment_sequences(segments: list[str], tokenizer, seq_len: int) -> np.ndarra
 def open_sequences(data: list[str], tokenizer, seq_len: int, segmentation: str) -> np.ndarray:
     """The sequences fn-stats / fn-cases run over, for --segmentation packed | line | article."""
     from truneg.corpus import is_hf, resolve_text_files
-    from truneg.data import build_blocks, open_blocks
+    from truneg.data import open_training_blocks
 
     if seq_len < 8:
         raise UserError(f"--seq-len {seq_len} is too short; use 128 or 512 (at least 8)")
     if segmentation == "packed":
-        return open_blocks(build_blocks(data, tokenizer, seq_len))
+        return open_training_blocks(data, tokenizer, seq_len)[0]
     if any(is_hf(spec) for spec in data):
         raise UserError(f"--segmentation {segmentation} reads text files; pass files, or use --segmentation packed "
                         "for an hf: dataset")

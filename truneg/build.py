@@ -99,15 +99,7 @@ def synonym_table(cfg: RunConfig, tokenizer):
 
 def table_fingerprint(table) -> str | None:
     """The synonym table's content hash for the run record: a rebuilt table is another run."""
-    if table is None:
-        return None
-    for name in ("fingerprint", "content_sha256"):
-        value = getattr(table, name, None)
-        if value is not None:
-            return value() if callable(value) else value
-    import hashlib
-
-    return hashlib.sha256(table.indptr.tobytes() + table.indices.tobytes()).hexdigest()
+    return None if table is None else table.content_sha256
 
 
 def build_model(cfg: RunConfig, table, vocab_size: int):

@@ -183,17 +183,6 @@ def open_training_blocks(train_data: str | Sequence[str], tokenizer, seq_len: in
     return blocks, blocks.fingerprint
 
 
-def build_blocks(train_data: str | Sequence[str], tokenizer, seq_len: int, cache_dir: Path | None = None,
-                 num_proc: int | None = None) -> Path:
-    """The prepared folder of --train-data (kept for callers of the former `.npy` cache: see open_blocks)."""
-    return ensure_prepared(train_data, tokenizer, seq_len, cache_dir, num_proc)
-
-
-def open_blocks(path: Path) -> PreparedBlocks | np.ndarray:
-    """A prepared folder's blocks (or a former cache's `.npy`, memory-mapped)."""
-    return open_prepared(path) if Path(path).is_dir() else np.load(path, mmap_mode="r")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Sampler
 # ---------------------------------------------------------------------------------------------------
