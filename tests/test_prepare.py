@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import hashlib
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +48,18 @@ def shard_bytes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((folder / "shards").glob("*.bin"))}
 
 
+def assert_units_follow_stream(folder: Path, stream: np.ndarray, seq: int) -> None:
+    """Each shard holds its unit's stream cut into blocks (its tail dropped), and the units' streams, end to
+    end, are the whole corpus's stream: the cuts lose, split and reorder nothing."""
+    index, at = open_prepared(folder).index, 0
+    for shard in index["shards"]:
+        blocks = np.fromfile(folder / shard["file"], dtype=np.uint16).reshape(-1, seq)
+        assert (blocks[:, 1:-1].reshape(-1) == stream[at: at + shard["blocks"] * (seq - 2)]).all()
+        assert (blocks[:, 0] == 101).all() and (blocks[:, -1] == 102).all()
+        at += shard["tokens"]
+    assert at == len(stream)
+
+
 def test_blocks_equal_todays_packing_of_the_same_text(tmp_path, corpus, tokenizer):
     files = sorted(corpus.glob("*.txt"))
     stream = reference_stream(files, tokenizer, tmp_path)
@@ -54,13 +69,8 @@ def test_blocks_equal_todays_packing_of_the_same_text(tmp_path, corpus, tokenize
     # Several units: each unit is packed alone (its tail dropped), and the units' streams, end to end,
     # are the whole corpus's stream: the line-aligned cuts lose and split no line.
     many = prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "many", 1, unit_bytes=UNIT, progress=False)
-    index = open_prepared(many).index
-    assert len(index["shards"]) >= 4 and sum(s["tokens"] for s in index["shards"]) == len(stream)
-    at, body = 0, SEQ - 2
-    for shard in index["shards"]:
-        blocks = np.fromfile(many / shard["file"], dtype=np.uint16).reshape(-1, SEQ)
-        assert (blocks[:, 1:-1].reshape(-1) == stream[at: at + shard["blocks"] * body]).all()
-        at += shard["tokens"]
+    assert len(open_prepared(many).index["shards"]) >= 4
+    assert_units_follow_stream(many, stream, SEQ)
 
 
 def test_killed_prepare_resumes_to_the_same_shards(tmp_path, corpus, tokenizer):
@@ -130,18 +140,34 @@ def test_hf_sources_from_the_command_line(tmp_path, tokenizer):
     folder.mkdir()
     rows = {"train": ["the primary school was closed", "", "another row of text here"] * 4,
             "test": ["a test split with other words in it"] * 12}
-    for split, texts in rows.items():
-        datasets.Dataset.from_dict({"id": list(range(len(texts))), "content": texts}).to_parquet(folder / f"{split}.parquet")
+    for split, texts in rows.items():  # train: three parquet files of two row groups each; test: one file
+        for k, at in enumerate(range(0, len(texts), 4) if split == "train" else [0]):
+            name = f"{split}-{k:05d}-of-00003.parquet" if split == "train" else "test.parquet"
+            part = texts[at: at + 4] if split == "train" else texts
+            datasets.Dataset.from_dict({"id": list(range(len(part))), "content": part}).to_parquet(
+                folder / name, batch_size=2 if split == "train" else 1000)
+    (folder / "json").mkdir()  # a format other than parquet: streamed by datasets, a file per unit
+    (folder / "json" / "train.jsonl").write_text("".join(f'{{"content": "{t}"}}\n' for t in rows["train"]))
     cache = tmp_path / "cache"
+    streams = {split: np.array([t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"]
+                                + [tokenizer.sep_token_id]]) for split, texts in rows.items()}  # a row is a document
     opened = {}
     for split in ("train", "test"):
         args = parse_args(["--train-data", f"hf:{folder}@{split}#content", "--seq-len", "8", "--cache-dir", str(cache)])
         blocks, fingerprint = open_training_blocks(args.train_data, tokenizer, args.seq_len, cache_dir=args.cache_dir, num_proc=1)
-        stream = [t for text in rows[split] for t in tokenizer(text, add_special_tokens=False)["input_ids"]
-                  + [tokenizer.sep_token_id]]  # each row is a document
-        assert (blocks[np.arange(len(blocks))] == pack_blocks(np.array(stream), 8, 101, 102)).all()
+        assert_units_follow_stream(blocks.folder, streams[split], 8)
+        assert len(blocks.index["shards"]) == (3 if split == "train" else 1), "a unit per data file here"
         opened[split] = fingerprint, blocks.folder
     assert opened["train"][0] != opened["test"][0] and opened["train"][1] != opened["test"][1], "splits do not collide"
+    assert not list(cache.rglob("*.arrow")), "streamed: no arrow copy of the dataset"
+    # Each row group a unit, prepared by two processes: each unit's blocks are its own rows' stream, in
+    # file and row order (each unit packed alone, its tail dropped).
+    many = prepare.prepare(f"hf:{folder}#content", tokenizer, 8, tmp_path / "many", 2, unit_bytes=40, progress=False)
+    assert len(open_prepared(many).index["shards"]) == 6, "a unit per row group"
+    assert_units_follow_stream(many, streams["train"], 8)
+    jsonl = prepare.prepare(f"hf:{folder / 'json'}#content", tokenizer, 8, tmp_path / "jsonl", 1, progress=False)
+    assert (open_prepared(jsonl)[np.arange(len(open_prepared(jsonl)))]
+            == pack_blocks(streams["train"], 8, 101, 102)).all()
     with pytest.raises(UserError, match="has no column 'text'"):
         open_training_blocks(parse_args(["--train-data", f"hf:{folder}"]).train_data, tokenizer, 8, cache_dir=cache, num_proc=1)
     with pytest.raises(UserError, match="cannot load HF dataset"):
@@ -188,3 +214,67 @@ def test_two_launches_preparing_the_same_corpus_at_once_both_succeed(tmp_path):
     assert folders[0] == folders[1]
     assert [p.name for p in folders[0].parent.iterdir()] == [folders[0].name], "no private folder is left behind"
     assert len(open_prepared(folders[0], tokenizer, SEQ)) > 0
+
+
+def _kill_when_first_shard_commits(cmd: list[str], env: dict, shards: Path) -> set[str]:
+    """Start `cmd`, kill -9 its process group once a shard is committed; the committed shard names."""
+    from conftest import REPO, kill_group, wait_for
+
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert wait_for(lambda: any(shards.glob("*/shards/*.json")) or any(shards.glob("shards/*.json"))
+                        or proc.poll() is not None, timeout=120, interval=0.005)
+        kill_group(proc)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"finished before the kill: {proc.stderr.read().decode()[-2000:]}"
+    return {p.name for p in shards.rglob("shards/*.json")}
+
+
+@pytest.fixture(scope="module")
+def novels(tmp_path_factory) -> Path:
+    """About 4 MB of the shared novels: four or five units of 1 MiB, a few seconds to prepare."""
+    from conftest import NOVELS, need_shared
+
+    files = sorted(need_shared(NOVELS).glob("*.txt"))[:6]
+    folder = tmp_path_factory.mktemp("novels")
+    for f in files:
+        (folder / f.name).write_bytes(f.read_bytes())
+    return folder
+
+
+def test_prepare_killed_by_signal_resumes_to_the_same_shards(tmp_path, novels, tokenizer, launch_env):
+    """A real `truneg prepare` (2 processes) killed with SIGKILL mid-way, run again: the shards equal an
+    uninterrupted preparation's, and the shards committed before the kill are kept, not redone."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "truneg.cli", "prepare", "--train-data", str(novels), "--seq-len", "128",
+           "--out", str(out), "--num-proc", "2"]
+    committed = _kill_when_first_shard_commits(cmd, launch_env, out)
+    assert committed and not (out / "index.json").exists()
+    kept = {name: (out / "shards" / name).stat().st_mtime_ns for name in committed}
+    subprocess.run(cmd, env=launch_env, check=True, capture_output=True)
+    whole = prepare.prepare(str(novels), tokenizer, 128, tmp_path / "whole", 1, progress=False)
+    assert shard_bytes(out) == shard_bytes(whole) and len(shard_bytes(out)) > len(committed)
+    assert {name: (out / "shards" / name).stat().st_mtime_ns for name in committed} == kept
+    assert open_prepared(out).fingerprint == open_prepared(whole).fingerprint
+
+
+def test_killed_automatic_preparation_is_taken_over_by_the_next_launch(tmp_path, novels, tokenizer, launch_env):
+    """A training launch killed while its local rank 0 prepares the corpus into the cache leaves its private
+    folder; the next launch on that host continues it (committed shards kept) and leaves no folder behind."""
+    from truneg.data import ensure_prepared
+
+    cache = tmp_path / "cache"
+    code = ("import sys; from truneg.data import ensure_prepared, load_tokenizer; "
+            "ensure_prepared([sys.argv[1]], load_tokenizer(), 128, sys.argv[2], 1)")
+    committed = _kill_when_first_shard_commits([sys.executable, "-c", code, str(novels), str(cache)], launch_env,
+                                               cache / "prepared")
+    (left,) = (cache / "prepared").iterdir()
+    assert left.name.endswith(".tmp") and committed
+    kept = {name: (left / "shards" / name).stat().st_mtime_ns for name in committed}
+    folder = ensure_prepared([str(novels)], tokenizer, 128, cache, 1)
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name], "the killed launch's folder is taken over"
+    assert {name: (folder / "shards" / name).stat().st_mtime_ns for name in committed} == kept
+    whole = prepare.prepare(str(novels), tokenizer, 128, tmp_path / "whole", 1, progress=False)
+    assert shard_bytes(folder) == shard_bytes(whole)

@@ -1,7 +1,8 @@
 """Corpus sources -> input units: the pieces a preparation tokenizes and packs independently.
 
 A unit is a line-aligned byte range over the concatenation of the (sorted) text files, or a fixed range
-of rows of an `hf:` dataset. Units are planned from file sizes or the dataset's row count alone, so every
+of row groups of one parquet file of an `hf:` dataset (or a whole data file of another format), streamed,
+never converted. Units are planned from file sizes or parquet footers alone, so every
 machine of a split preparation plans the same units, and a unit's shard is the same bytes whichever
 process, part or restart makes it. Inside a unit, text is read in chunks of about CHUNK_BYTES, which is
 what bounds a worker's memory (not the unit size).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,21 +74,64 @@ def resolve_text_files(spec: str | Sequence[str]) -> list[Path]:
     return sorted(files)
 
 
-def load_hf(spec: HFSpec, cache_dir: Path | None):
-    """The dataset's column as a memory-mapped arrow dataset (datasets downloads parquet once)."""
+@dataclass
+class HFSource:
+    """An `hf:` dataset opened for streaming: nothing is downloaded or converted before tokenization, and
+    each unit reads only its own part of one data file (so each machine of a split preparation reads its
+    part). Parquet files are read by row groups (pyarrow, through fsspec: only the column's pages);
+    other formats are streamed whole by `datasets`, a file per unit."""
+
+    spec: HFSpec
+    stream: object  # datasets.IterableDataset of the one column, one shard per data file
+    files: list[str]
+    row_groups: list[list[tuple[int, int]] | None]  # per parquet file, (rows, column bytes) of each row group
+    nbytes: list[int]  # per file: the column's uncompressed bytes (parquet), else the file's size
+    fingerprint: str
+
+
+def _file_facts(url: str, column: str) -> tuple[list[tuple[int, int]] | None, int, list]:
+    """(row groups, bytes, identity) of one data file: its size and version (mtime, or the hub's blob id),
+    and for parquet each row group's rows and column bytes, from the footer (a few KB read)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    info = fs.info(path)
+    identity = [url, info.get("size"), info.get("mtime") or info.get("blob_id") or info.get("ETag")]
+    if not url.endswith(".parquet"):
+        return None, int(info.get("size") or 0), identity
+    import pyarrow.parquet as pq
+
+    with fs.open(path, "rb") as fh:
+        meta = pq.ParquetFile(fh).metadata
+    col = [meta.schema.column(i).name for i in range(meta.num_columns)].index(column)
+    groups = [(meta.row_group(g).num_rows, meta.row_group(g).column(col).total_uncompressed_size)
+              for g in range(meta.num_row_groups)]
+    return groups, sum(b for _, b in groups), identity
+
+
+def open_hf(spec: HFSpec, cache_dir: Path | None) -> HFSource:
+    """The dataset's column as a stream of its data files (parquet, json, csv, text: what datasets 5.x loads)."""
     import datasets
 
     try:
-        ds = datasets.load_dataset(spec.name, spec.config, split=spec.split,
-                                   cache_dir=str(cache_dir) if cache_dir else None)
+        builder = datasets.load_dataset_builder(spec.name, spec.config, cache_dir=str(cache_dir) if cache_dir else None)
+        files = [str(f) for f in builder.config.data_files[spec.split]]
+        stream = builder.as_streaming_dataset(split=spec.split)
     except Exception as err:  # the hub, the builders and the file system raise many types
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
         raise UserError(f"cannot load HF dataset {spec} ({type(err).__name__}: {first[:300]}); "
                         "check the name, config and split (only parquet/arrow/csv/json/text datasets load)") from None
-    if spec.column not in ds.column_names:
-        raise UserError(f"HF dataset {spec.name!r} has no column {spec.column!r} (it has {', '.join(ds.column_names)}); "
+    columns = stream.column_names or list(next(iter(stream.take(1)), {}).keys())
+    if spec.column not in columns:
+        raise UserError(f"HF dataset {spec.name!r} has no column {spec.column!r} (it has {', '.join(columns)}); "
                         "name one with #COLUMN")
-    return ds.select_columns([spec.column])
+    stream = stream.select_columns([spec.column])
+    if stream.num_shards != len(files):  # one shard per data file is what the units rely on
+        raise UserError(f"HF dataset {spec} streams as {stream.num_shards} shards from {len(files)} data files; "
+                        "save it as parquet files (Dataset.to_parquet) and pass their folder as hf:FOLDER#COLUMN")
+    facts = [_file_facts(f, spec.column) for f in files]
+    fingerprint = hashlib.sha256(json.dumps([str(spec), [f[2] for f in facts]]).encode()).hexdigest()
+    return HFSource(spec, stream, files, [f[0] for f in facts], [f[1] for f in facts], fingerprint)
 
 
 def unit_bytes_for(total_bytes: int) -> int:
@@ -131,15 +176,23 @@ def plan_text_units(files: list[Path], unit_bytes: int | None) -> tuple[list[dic
     return units, unit_bytes
 
 
-def plan_hf_units(ds, unit_bytes: int | None) -> tuple[list[dict], int]:
-    """Fixed row ranges, sized from the column's arrow bytes per row: [{"rows": [start, end], "bytes": n}]."""
-    rows, total = len(ds), int(ds.data.nbytes)
-    if rows == 0:
-        return [], 0
-    per_row = max(1, total // rows)
-    rows_per_unit = max(1, (unit_bytes or unit_bytes_for(total)) // per_row)
-    return [{"rows": [s, min(rows, s + rows_per_unit)], "bytes": per_row * (min(rows, s + rows_per_unit) - s)}
-            for s in range(0, rows, rows_per_unit)], rows_per_unit
+def plan_hf_units(source: HFSource, unit_bytes: int | None) -> tuple[list[dict], int]:
+    """Runs of whole row groups of each parquet file, about unit_bytes of the column each (a larger row
+    group is a unit alone), so every byte is read once; a whole file of another format:
+    [{"file": k, "row_groups": [first, end] | None, "rows": n | None, "bytes": n}]."""
+    unit_bytes = unit_bytes or unit_bytes_for(sum(source.nbytes))
+    units = []
+    for k, groups in enumerate(source.row_groups):
+        if groups is None:
+            units.append({"file": k, "row_groups": None, "rows": None, "bytes": source.nbytes[k]})
+            continue
+        first, rows, nbytes = 0, 0, 0
+        for g, (n, b) in enumerate(groups):
+            rows, nbytes = rows + n, nbytes + b
+            if nbytes >= unit_bytes or g == len(groups) - 1:
+                units.append({"file": k, "row_groups": [first, g + 1], "rows": rows, "bytes": nbytes})
+                first, rows, nbytes = g + 1, 0, 0
+    return units, unit_bytes
 
 
 def iter_text_unit(segments: list, digest: hashlib._Hash) -> Iterator[tuple[list[str], int]]:
@@ -164,10 +217,26 @@ def iter_text_unit(segments: list, digest: hashlib._Hash) -> Iterator[tuple[list
                 yield text.splitlines(), text.count("\ufffd")
 
 
-def iter_hf_unit(ds, column: str, rows: list[int], digest: hashlib._Hash) -> Iterator[tuple[list[str], int]]:
-    """(row texts, replaced characters) of a row range, HF_BATCH_ROWS rows at a time; hashes the texts."""
-    for start in range(rows[0], rows[1], HF_BATCH_ROWS):
-        texts = [t or "" for t in ds[start: min(rows[1], start + HF_BATCH_ROWS)][column]]
+def _unit_batches(source: HFSource, unit: dict) -> Iterator[list]:
+    if unit["row_groups"] is None:
+        stream = source.stream.shard(num_shards=len(source.files), index=unit["file"], contiguous=True)
+        for batch in stream.iter(batch_size=HF_BATCH_ROWS):
+            yield batch[source.spec.column]
+        return
+    import fsspec
+    import pyarrow.parquet as pq
+
+    fs, path = fsspec.core.url_to_fs(source.files[unit["file"]])
+    with fs.open(path, "rb") as fh:
+        groups = range(*unit["row_groups"])
+        for batch in pq.ParquetFile(fh).iter_batches(HF_BATCH_ROWS, row_groups=groups, columns=[source.spec.column]):
+            yield batch.column(0).to_pylist()
+
+
+def iter_hf_unit(source: HFSource, unit: dict, digest: hashlib._Hash) -> Iterator[tuple[list[str], int]]:
+    """(row texts, replaced characters) of a unit, HF_BATCH_ROWS rows at a time; hashes the texts."""
+    for batch in _unit_batches(source, unit):
+        texts = [t or "" for t in batch]
         for text in texts:
             digest.update(text.encode("utf-8", errors="replace"))
             digest.update(b"\0")

@@ -7,8 +7,10 @@ and does not depend on the world size.
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -161,8 +163,7 @@ def ensure_prepared(
             "(add --part i/n on n machines) and pass --train-data DIR")
     # Into a folder of this process's own, published by one atomic rename: two launches, or the local rank 0
     # of several nodes sharing the cache, may prepare the same corpus at once.
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    own = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f"{folder.name}.", suffix=".tmp"))
+    own = _private_folder(folder)
     prep.prepare(specs, tokenizer, seq_len, own, num_proc, hf_cache_dir=cache_dir / "hf")
     try:
         own.rename(folder)
@@ -171,6 +172,36 @@ def ensure_prepared(
         if not is_prepared(folder):
             raise
     return folder
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _private_folder(folder: Path) -> Path:
+    """`FOLDER.HOST.PID.XXXX.tmp`, this process's own. A folder a killed preparation on this host left (its
+    process gone) is taken over, so its committed shards are kept and only the rest is prepared; another
+    host's are left alone (its process cannot be checked from here)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    mine = f"{folder.name}.{socket.gethostname()}."
+    own = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f"{mine}{os.getpid()}.", suffix=".tmp"))
+    for left in sorted(folder.parent.glob(f"{glob.escape(mine)}*.tmp")):
+        pid = left.name[len(mine):].split(".")[0]
+        if left == own or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            left.rename(own)  # replaces the empty `own`; of two takers one wins, the other finds it gone
+        except OSError:
+            continue
+        print(f"truneg: continuing the preparation a killed process left in {left.name}", flush=True)
+        break
+    return own
 
 
 def open_training_blocks(train_data: str | Sequence[str], tokenizer, seq_len: int, **where) -> tuple[PreparedBlocks, str]:

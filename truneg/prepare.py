@@ -66,7 +66,7 @@ def _read_json(path: Path):
 
 def plan(train_data: str | Sequence[str], tokenizer, seq_len: int, hf_cache_dir: Path | None = None,
          unit_bytes: int | None = None) -> tuple[dict, list[dict], list]:
-    """(settings, units, hf datasets). Cheap: file sizes and one seek per unit; an hf: source is loaded."""
+    """(settings, units, hf sources). Cheap: file sizes, one seek per unit, an hf: data file's footer."""
     if seq_len < 3:
         raise UserError(f"--seq-len {seq_len} leaves no room between [CLS] and [SEP]; use 3 or more")
     specs = [train_data] if isinstance(train_data, (str, Path)) else [str(s) for s in train_data]
@@ -80,12 +80,12 @@ def plan(train_data: str | Sequence[str], tokenizer, seq_len: int, hf_cache_dir:
         units += [{"source": 0, **u} for u in text_units]
         datasets_.append(None)
     for spec in (corpus.HFSpec.parse(s) for s in specs if corpus.is_hf(s)):
-        ds = corpus.load_hf(spec, hf_cache_dir)
-        hf_units, rows_per_unit = corpus.plan_hf_units(ds, unit_bytes)
-        sources.append({"kind": "hf", "spec": str(spec), "column": spec.column, "fingerprint": ds._fingerprint,
-                        "rows": len(ds), "rows_per_unit": rows_per_unit})
+        source = corpus.open_hf(spec, hf_cache_dir)
+        hf_units, size = corpus.plan_hf_units(source, unit_bytes)
+        sources.append({"kind": "hf", "spec": str(spec), "column": spec.column, "fingerprint": source.fingerprint,
+                        "files": len(source.files), "unit_bytes": size})
         units += [{"source": len(datasets_), **u} for u in hf_units]
-        datasets_.append(ds)
+        datasets_.append(source)
     for i, unit in enumerate(units):
         unit["index"] = i
     vocab = len(tokenizer)
@@ -142,7 +142,7 @@ def _prepare_unit(job: dict) -> dict:
     if source["kind"] == "text":
         pieces = corpus.iter_text_unit(unit["segments"], source_digest)
     else:
-        pieces = corpus.iter_hf_unit(_WORKER["datasets"][unit["source"]], source["column"], unit["rows"], source_digest)
+        pieces = corpus.iter_hf_unit(_WORKER["datasets"][unit["source"]], unit, source_digest)
     name = f"{unit['index']:06d}"
     shard = folder / SHARDS / f"{name}.bin"
     tmp = shard.with_name(f"{name}.bin.{os.getpid()}.tmp")
