@@ -8,7 +8,7 @@
 #   1. every shipped GPU config (ds_configs/*.json but cpu_*) starts and takes 10 steps on a tiny model;
 #   2. save, kill -9, resume: losses within 1e-5 relative of an uninterrupted run, CUDA RNG in the checkpoint;
 #   3. one BERT-large HC+SR step under torch.cuda.set_sync_debug_mode("warn"): host syncs per phase;
-#   4. BERT-large seq 128 bf16: ZeRO-2 vs ZeRO-3, with and without HC+SR, --compile for ZeRO-2 HC+SR;
+#   4. BERT-large seq 128 bf16: ZeRO-1 vs ZeRO-3, with and without HC+SR, --compile for ZeRO-1 HC+SR;
 #      ELECTRA-base baseline and HC+SR: samples/s, MFU (989 TFLOP/s and a bf16 GEMM measured here), peak memory.
 # Stages 1-3 run side by side (they count, not time); stage 4 alone. The fused optimizers' JIT builds start
 # first, in the background.

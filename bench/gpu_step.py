@@ -27,9 +27,11 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "V100": 125.0}  # de
 
 
 class SyncCounter:
-    """Host syncs per phase. On CUDA: torch.cuda.set_sync_debug_mode("warn") and the warnings it raises. On the
-    CPU (dry run), a proxy: the ATen ops that make the host wait for the device (item, nonzero, masked_select,
-    boolean indexing, ...), seen by a TorchDispatchMode."""
+    """Host syncs per phase. Implicit ones on CUDA: torch.cuda.set_sync_debug_mode("warn") and the warnings it
+    raises; on the CPU (dry run), a proxy: the ATen ops that make the host wait for the device (item, nonzero,
+    masked_select, boolean indexing, ...), seen by a TorchDispatchMode. Explicit ones, which the debug mode
+    does not report, in both: calls of the accelerator's and torch.cuda's synchronize (DeepSpeed's
+    synchronized throughput timer makes two per micro-step)."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.counts, self.where = cuda, {}, {}
@@ -43,7 +45,7 @@ class SyncCounter:
             import warnings
 
             torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, _explicit_syncs(sites):
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
@@ -54,9 +56,37 @@ class SyncCounter:
                 if "synchroniz" in str(w.message):
                     sites[f"{_short(w.filename)}:{w.lineno}"] += 1
         else:
-            with _CpuSyncOps(sites):
+            with _CpuSyncOps(sites), _explicit_syncs(sites):
                 yield
         self.counts[name], self.where[name] = sum(sites.values()), sites
+
+
+@contextlib.contextmanager
+def _explicit_syncs(sites: Counter):
+    """Count calls of get_accelerator().synchronize and torch.cuda.synchronize (one per call, by its caller)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    inside = []
+
+    def counting(real):
+        @functools.wraps(real)
+        def synchronize(*args, **kwargs):
+            if not inside:  # the accelerator's calls torch.cuda's: one sync
+                frame = next((f for f in reversed(traceback.extract_stack()[:-1])
+                              if "/accelerator/" not in f.filename and "/torch/cuda/" not in f.filename), None)
+                sites[f"synchronize at {_short(frame.filename)}:{frame.lineno}" if frame else "synchronize"] += 1
+            inside.append(1)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                inside.pop()
+        return synchronize
+
+    accelerator = get_accelerator()
+    with patched(accelerator, "synchronize", counting(accelerator.synchronize)), \
+            patched(torch.cuda, "synchronize", counting(torch.cuda.synchronize)):
+        yield
 
 
 def _short(filename: str) -> str:
@@ -231,6 +261,10 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
              f"ZeRO-{run.engine['zero']} {run.engine['optimizer']}: {rate:.1f} samples/s; {mfu}; {memory}; "
              f"first {mode.bench_log} steps {first_s:.1f} s")
         base = variant.replace(" hc+sr", " baseline").replace(" compile", "")
+        if compiled:
+            from truneg.loop import compile_summary
+
+            note(f"    {compile_summary()}")
         if variant.endswith("compile") and variant.replace(" compile", "") in rates:
             note(f"    --compile speed-up: {rate / rates[variant.replace(' compile', '')]:.3f}x")
         elif "hc+sr" in variant and base in rates:

@@ -2,7 +2,10 @@
 at ZeRO-0, 1 and 2, against a plain torch loop (bf16 weights, fused torch AdamW, no DeepSpeed) measured in
 the same run. Prints samples/s and each one's ratio to the plain loop.
 
-    python bench/gpu_zero_stages.py            # on a GPU (bench/gpu_check.sh's wheel folder installed)
+    python bench/gpu_zero_stages.py                 # on a GPU (bench/gpu_check.sh's wheel folder installed)
+    python bench/gpu_zero_stages.py --compile-only  # ZeRO-1 and the plain loop, each with/without torch.compile
+    python bench/gpu_zero_stages.py --timer-only    # ZeRO-1 with DeepSpeed's throughput timer synchronized
+                                                    # (DeepSpeed's default) and not (truneg's default)
 """
 from __future__ import annotations
 
@@ -19,19 +22,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO, ACCUM = 64, 4
-STEPS = 25 if "--compile-only" in sys.argv else 15
+STEPS = 15 if len(sys.argv) == 1 else 25
 
 
-def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = ()) -> float:
+def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchronized_timer: bool = False) -> float:
     from truneg import pretrain
 
     config = json.loads((REPO / "ds_configs" / "bert_large_a100_bf16_zero1.json").read_text())
     config["zero_optimization"] = {"stage": stage}
     if stage == 0:  # DeepSpeed refuses fp32 gradient accumulation with bf16 at stage 0
         config.pop("data_types", None)
-    path = work / f"zero{stage}.json"
+    if synchronized_timer:
+        config["timers"] = {"throughput": {"synchronized": True}}
+    name = f"zero{stage}{'_'.join(extra)}{'_synced' if synchronized_timer else ''}"
+    path = work / f"{name}.json"
     path.write_text(json.dumps(config))
-    out = work / f"zero{stage}{'_'.join(extra)}"
+    out = work / name
     pretrain.main(["--model", "bert-large", "--deepspeed_config", str(path), "--micro-batch-size", str(MICRO),
                    "--gradient-accumulation-steps", str(ACCUM), "--max-steps", str(STEPS), "--log-steps", "5",
                    "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *extra])
@@ -39,7 +45,7 @@ def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = ()) -> float
     return statistics.median(r["samples_per_sec"] for r in records[1:])
 
 
-def plain_rate() -> float:
+def plain_rate(compiled: bool = False) -> float:
     import numpy as np
 
     from truneg.data import load_tokenizer
@@ -48,6 +54,8 @@ def plain_rate() -> float:
 
     tokenizer = load_tokenizer()
     model = build_pretrainer("bert-large", ObjectiveConfig()).cuda().to(torch.bfloat16).train()
+    if compiled:
+        model.compile(dynamic=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     rows = np.random.default_rng(0).integers(1000, 30000, (MICRO, 128))
     rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
@@ -72,9 +80,15 @@ def plain_rate() -> float:
 
 def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="zero_stages_"))
-    if "--compile-only" in sys.argv:  # ZeRO-1 with and without torch.compile
+    if "--compile-only" in sys.argv:  # ZeRO-1 and the plain loop, with and without torch.compile
         rates = {flag: deepspeed_rate(1, work, flag) for flag in ((), ("--compile",))}
-        print(f"RESULT zero1_compile_speedup={rates[('--compile',)] / rates[()]:.3f}")
+        plain = {compiled: plain_rate(compiled) for compiled in (False, True)}
+        print(f"RESULT zero1_compile_speedup={rates[('--compile',)] / rates[()]:.3f} "
+              f"plain_compile_speedup={plain[True] / plain[False]:.3f}")
+        return
+    if "--timer-only" in sys.argv:  # the cost of DeepSpeed's synchronized throughput timer
+        synced, unsynced = deepspeed_rate(1, work, synchronized_timer=True), deepspeed_rate(1, work)
+        print(f"RESULT zero1_unsynchronized_timer_speedup={unsynced / synced:.3f} unsynchronized={unsynced:.1f}")
         return
     plain = plain_rate()
     print(f"plain torch bf16 loop: {plain:.1f} samples/s", flush=True)

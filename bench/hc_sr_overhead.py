@@ -5,8 +5,8 @@
 A step is forward + backward + AdamW step at seq 128, like a training step. Each variant reuses the
 weights of the first (deep-copied) and the same masked batch; the variants run round-robin so drift
 of the machine hits all of them alike. Prints a table per preset and a last line
-`RESULT hc=<ratio> sr=<ratio> hc_sr=<ratio> sr_sent=<ratio>` (the bert-base ratios when it ran,
-step time over the baseline's; median of the steps).
+`RESULT hc=<ratio> sr=<ratio> hc_sr=<ratio> sr_sent=<ratio>` (the bert-base ratios when it ran: the
+median over rounds of each round's step time over the same round's baseline).
 """
 from __future__ import annotations
 
@@ -74,12 +74,17 @@ def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup
             optimizers[name].zero_grad(set_to_none=True)
             if step:
                 times[name].append(time.perf_counter() - start)
+    # Paired: each round's variant over the same round's baseline (drift of the machine cancels within a
+    # round), then the median over rounds; the spread of those per-round ratios is the bench's own noise.
+    ratios = {name: sorted(t / b for t, b in zip(times[name], times["baseline"])) for name in VARIANTS}
     medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"\n{preset}, batch {batch_size}, seq 128, {torch.get_num_threads()} threads, median of {steps} steps")
-    print(f"{'variant':<10} {'step ms':>9} {'ratio':>7}")
+    print(f"\n{preset}, batch {batch_size}, seq 128, {torch.get_num_threads()} threads, {steps} rounds")
+    print(f"{'variant':<10} {'step ms':>9} {'ratio':>7} {'quartiles of round ratios':>27}")
     for name, seconds in medians.items():
-        print(f"{name:<10} {1e3 * seconds:>9.1f} {seconds / medians['baseline']:>7.3f}")
-    return {name: seconds / medians["baseline"] for name, seconds in medians.items()}
+        r = ratios[name]
+        print(f"{name:<10} {1e3 * seconds:>9.1f} {statistics.median(r):>7.3f} "
+              f"{r[len(r) // 4]:>13.3f} - {r[(3 * len(r)) // 4]:.3f}")
+    return {name: statistics.median(r) for name, r in ratios.items()}
 
 
 def main() -> None:

@@ -3,9 +3,4 @@
 # 200k steps.
 #   OUTPUT=/shared/runs/bert_base INIT=/shared/ckpt/bert-base DATA=/shared/wiki-books HC=wordnet launch/bert_base.sh [extra flags]
 source "$(dirname "$0")/common.sh"
-launch --model bert-base --seq-len 512 \
-  --init-from "${INIT:?set INIT to an HF BERT-base checkpoint folder (e.g. bert-base-uncased)}" \
-  --deepspeed_config "${CONFIG:-$(recipe bert_base_continued)}" \
-  --train-data "${DATA:?set DATA to the corpus (files, folder or glob)}" \
-  --output-dir "$OUTPUT" --max-steps "${STEPS:-200000}" --save-steps 5000 --keep-checkpoints "${KEEP:-3}" \
-  --log-steps 100 --hc "${HC:-none}" --sr "${SR:-none}" "$@"
+continued bert-base bert_base_continued "an HF BERT-base checkpoint folder (e.g. bert-base-uncased)" "$@"

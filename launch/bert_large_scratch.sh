@@ -11,8 +11,4 @@ case "${OPT:-lamb}" in
   adamw) config="$(recipe bert_large)"; steps=31250 ;;
   *) echo "truneg: error: OPT=$OPT: use lamb or adamw" >&2; exit 2 ;;
 esac
-launch --model bert-large --seq-len 128 \
-  --deepspeed_config "${CONFIG:-$config}" \
-  --train-data "${DATA:?set DATA to the corpus (files, folder or glob)}" \
-  --output-dir "$OUTPUT" --max-steps "${STEPS:-$steps}" --save-steps 1000 --keep-checkpoints "${KEEP:-3}" \
-  --log-steps 50 --hc "${HC:-none}" --sr "${SR:-none}" "$@"
+pretrain bert-large 128 "$config" "$steps" 1000 50 "$@"

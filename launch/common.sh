@@ -10,6 +10,9 @@
 #   OUTPUT    the run's folder (required; shared storage)
 #   GPU       v100 (default: fp16, the paper's machines) | a100 | h100 | h200 (bf16)
 #   HOSTFILE  default launch/hosts;  CONFIG  a config instead of the recipe's;  PREFLIGHT=0 skips the check
+#   DATA      the corpus: a prepared folder (`truneg prepare`), or files, a folder or a glob
+#   HC, SR    the objectives (default none);  STEPS, KEEP  steps and checkpoints kept
+#   COMPILE=1 adds --compile (torch.compile; off by default: 0.92-0.96x on an H200, README "GPU check")
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HOSTFILE="${HOSTFILE:-$REPO/launch/hosts}"
@@ -35,6 +38,23 @@ export DS_ENV_FILE="$OUTPUT/deepspeed_env"
 
 recipe() {  # recipe STEM: the recipe's config for $GPU
   if [ "$PRECISION" = a100_bf16 ]; then echo "$REPO/ds_configs/${1}_${PRECISION}_zero1.json"; else echo "$REPO/ds_configs/${1}_${PRECISION}_zero2.json"; fi
+}
+
+pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's run
+  local model=$1 seq=$2 config=$3 steps=$4 save=$5 log=$6
+  shift 6
+  local compile=()
+  [ "${COMPILE:-0}" = 1 ] && compile=(--compile)
+  launch --model "$model" --seq-len "$seq" --deepspeed_config "${CONFIG:-$config}" \
+    --train-data "${DATA:?set DATA to the corpus (a prepared folder, files, a folder or a glob)}" \
+    --output-dir "$OUTPUT" --max-steps "${STEPS:-$steps}" --save-steps "$save" --keep-checkpoints "${KEEP:-3}" \
+    --log-steps "$log" --hc "${HC:-none}" --sr "${SR:-none}" "${compile[@]}" "$@"
+}
+
+continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's continued pre-training at seq 512
+  local model=$1 stem=$2 hint=$3
+  shift 3
+  pretrain "$model" 512 "$(recipe "$stem")" 200000 5000 100 --init-from "${INIT:?set INIT to $hint}" "$@"
 }
 
 launch() {

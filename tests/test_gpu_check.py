@@ -95,6 +95,8 @@ def test_stage4_measures_every_variant(dry_run):
         assert re.search(rf"fp32 ZeRO-{zero} AdamW: \d+\.\d samples/s; MFU \d+\.\d% of the GEMM ", line), line
     assert summary.count("HC+SR step time / baseline: ") == 3
     assert "--compile speed-up: " in summary
+    # the engine-wrapped training forward (HC+SR, ZeRO-1) through the real pretrain path: one graph, no break
+    assert "    compile: 1 graph(s), 0 graph break(s)" in summary.splitlines()
 
 
 def test_a_stage_cut_by_its_timeout_leaves_no_process_and_the_stage_beside_it_passes(cut_run):

@@ -181,6 +181,19 @@ def test_bf16_accumulates_in_fp32_under_zero_and_the_lamb_recipe_stays_fp16():
     assert any("accumulate in bf16" in line for line in choices)
 
 
+def test_deepspeeds_throughput_timer_does_not_synchronize_the_device_unless_asked(tmp_path):
+    """DeepSpeed's timer, synchronized by default, would make the host wait for the GPU twice per micro-step
+    (bench/gpu_step.py's counter sees it in the forward). Read back with DeepSpeed's own config parser."""
+    from deepspeed.utils.config import get_timers_config
+
+    for path in CONFIGS:
+        timers = get_timers_config(dsc.resolve(path, 1, 1000, Path("/tmp/unused"))[0])
+        assert timers.enabled and not timers.synchronized, path.name
+    asked = tmp_path / "asked.json"
+    asked.write_text(json.dumps({**_raw(CONFIGS[0]), "timers": {"throughput": {"synchronized": True}}}))
+    assert get_timers_config(dsc.resolve(asked, 1, 1000, Path("/tmp/unused"))[0]).synchronized
+
+
 @pytest.fixture
 def gpu(monkeypatch):
     """A patched GPU: set its capability and torch's arch list."""
@@ -267,6 +280,25 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     assert "--seed 3" in done.stdout and f"--hostfile {REPO}/launch/hosts" in done.stdout
     keys = [line.split("=", 1)[0] for line in (out / "deepspeed_env").read_text().splitlines()]
     assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR"]
+    # every recipe: its model, sequence length and config for the GPU, INIT where it continues, COMPILE=1
+    expect = {"bert_base.sh": ("bert-base", 512, "bert_base_continued_a100_bf16_zero1.json"),
+              "bert_large.sh": ("bert-large", 512, "bert_large_continued_a100_bf16_zero1.json"),
+              "electra_base.sh": ("electra-base", 512, "electra_base_continued_a100_bf16_zero1.json"),
+              "electra_small.sh": ("electra-small", 128, "electra_small_a100_bf16_zero1.json"),
+              "bert_large_scratch.sh": ("bert-large", 128, "bert_large_v100_fp16_lamb_zero0.json")}
+    for script, (model, seq, config) in expect.items():
+        env_gpu = {**env, "OUTPUT": str(out), "GPU": "h200", "COMPILE": "1"}
+        proc = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "3"], env=env_gpu, capture_output=True,
+                              text=True)
+        if seq == 512:
+            assert proc.returncode != 0 and "set INIT to an HF" in proc.stderr, script
+            proc = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "3"],
+                                  env={**env_gpu, "INIT": "/ckpt"}, capture_output=True, text=True)
+            assert "--init-from /ckpt" in proc.stdout, script
+        assert proc.returncode == 0, (script, proc.stderr)
+        assert f"--model {model} --seq-len {seq} --deepspeed_config {REPO}/ds_configs/{config} " in proc.stdout, script
+        tail = "--compile --init-from /ckpt --seed 3" if seq == 512 else "--compile --seed 3"
+        assert (REPO / "ds_configs" / config).is_file() and proc.stdout.rstrip().endswith(tail), proc.stdout
 
 
 def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monkeypatch):

@@ -186,7 +186,8 @@ def resolve(
 ) -> tuple[dict, list[str]]:
     """The config as deepspeed.initialize gets it, and the lines saying what was chosen (for rank 0 to print):
     batch sizes fitted to the world size, --lr applied, "auto" and "N%" steps filled in, bf16 gradients
-    accumulated in fp32 where DeepSpeed allows it (ZeRO >= 1), monitors pointed at the run's folder."""
+    accumulated in fp32 where DeepSpeed allows it (ZeRO >= 1), monitors pointed at the run's folder, and
+    DeepSpeed's throughput timer unsynchronized."""
     config = read_config(path)
     choices = [resolve_batch_sizes(config, world_size, micro_batch, grad_accum)]
     if lr is not None:
@@ -218,6 +219,10 @@ def resolve(
             config[section]["output_path"] = str(Path(output_dir) / subdir)
             config[section].setdefault("job_name", "")
     config.setdefault("steps_per_print", 10**9)  # truneg logs its own metrics
+    # DeepSpeed's throughput timer synchronizes the device at each micro-step's forward and step by default:
+    # the host then waits for the GPU to drain instead of queueing the next kernels. truneg times its own
+    # steps, so the timer runs on the host clock unless the config asks for it synchronized.
+    config.setdefault("timers", {}).setdefault("throughput", {}).setdefault("synchronized", False)
     return config, choices
 
 

@@ -71,7 +71,7 @@ def start_state(cfg: RunConfig, engine, blocks, tokenizer, resume: checkpoint.Re
     metrics.truncate_after(engine.global_steps)
     metrics.purge_tensorboard_after(int(engine.global_samples))
     batches = MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed, cfg.max_predictions,
-                            cfg.data_workers)
+                            cfg.data_workers, pin_memory=engine.device.type == "cuda")
     return TrainState(sampler, batches, metrics, rank, world_size)
 
 
@@ -149,6 +149,15 @@ def _console_line(step: int, total: int, record: dict, eta_s: float, hc: bool) -
     return line
 
 
+def compile_summary() -> str:
+    """What torch.compile made of the run: one graph and no break is the static step's goal; more graphs
+    mean recompiles (a guard failed), which cost time each."""
+    from torch._dynamo.utils import counters
+
+    graphs, breaks = counters["stats"].get("unique_graphs", 0), sum(counters["graph_break"].values())
+    return f"compile: {graphs} graph(s), {breaks} graph break(s)"
+
+
 def train(cfg: RunConfig, engine, state: TrainState) -> None:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
     counts_nonfinite = not engine.fp16_enabled()  # in fp16 the loss scaler owns overflow
@@ -191,3 +200,5 @@ def train(cfg: RunConfig, engine, state: TrainState) -> None:
               f"  checkpoints: {out / 'checkpoints'} (resume: run the same command)\n"
               f"  metrics:     {out / 'metrics.jsonl'}\n"
               f"  tensorboard: tensorboard --logdir {out / 'tensorboard'}", flush=True)
+        if cfg.compile:
+            print(f"truneg: {compile_summary()}", flush=True)

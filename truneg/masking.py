@@ -119,26 +119,29 @@ class _MaskedMicroBatches(torch.utils.data.Dataset):
 class MaskedBatches:
     """Iterator of masked micro-batches for one rank (dicts of tensors, see `mask_tokens`).
 
-    With `workers` > 0 a torch DataLoader reads and masks ahead in background processes (pinned memory on
-    GPUs), so the step never waits on the input. Masking is a pure function of (seed, epoch, index), so the
-    batches are the same with or without workers; `position` is the sampler's state after the last batch
-    handed out (not after what the workers read ahead), which is what a checkpoint stores."""
+    With `workers` > 0 a torch DataLoader reads and masks ahead in background processes, so the step never
+    waits on the input. Masking is a pure function of (seed, epoch, index), so the batches are the same with
+    or without workers; `position` is the sampler's state after the last batch handed out (not after what
+    the workers read ahead), which is what a checkpoint stores. `pin_memory` (for a GPU): a copy from
+    pageable memory would make the host wait for the GPU's queue to drain first, so batches come pinned."""
 
-    def __init__(self, blocks, sampler, tokenizer, scheme: str, seed: int, max_predictions: int, workers: int = 0):
+    def __init__(self, blocks, sampler, tokenizer, scheme: str, seed: int, max_predictions: int, workers: int = 0,
+                 pin_memory: bool = False):
         dataset = _MaskedMicroBatches(blocks, sorted(tokenizer.all_special_ids), tokenizer.mask_token_id,
                                       len(tokenizer), scheme, seed, max_predictions)
         self.position = sampler.state_dict()
         if workers > 0:
             loader = torch.utils.data.DataLoader(
                 dataset, sampler=_MicroBatchPlan(sampler), batch_size=None, num_workers=workers,
-                pin_memory=torch.cuda.is_available(), prefetch_factor=4, persistent_workers=False,
+                pin_memory=pin_memory, prefetch_factor=4, persistent_workers=False,
                 # its own generator: the workers' base seed would otherwise be drawn from the global torch RNG,
                 # shifting dropout and Gumbel noise (masking itself needs no torch RNG)
                 generator=torch.Generator().manual_seed(seed),
             )
             self._it = iter(loader)
         else:
-            self._it = (dataset[item] for item in _MicroBatchPlan(sampler))
+            items = map(dataset.__getitem__, _MicroBatchPlan(sampler))
+            self._it = (({k: v.pin_memory() for k, v in b.items()} if pin_memory else b, pos) for b, pos in items)
 
     def __next__(self) -> dict[str, torch.Tensor]:
         batch, self.position = next(self._it)
