@@ -94,6 +94,15 @@ def test_init_from_keeps_or_applies_dropout_and_refuses_a_contradicting_preset(t
         build_pretrainer("bert-base", ObjectiveConfig(), init_from=tmp_path / "bert")
     with pytest.raises(UserError, match="holds a BERT checkpoint"):
         build_pretrainer("electra-tiny", ObjectiveConfig(), init_from=tmp_path / "bert")
+    # the preset a checkpoint matches (preflight's default config for it), from its config.json alone
+    from truneg.models import matching_preset
+
+    electra = build_pretrainer("electra-tiny", ObjectiveConfig())
+    electra.generator.save_pretrained(tmp_path / "electra" / "generator")
+    electra.discriminator.save_pretrained(tmp_path / "electra" / "discriminator")
+    assert matching_preset(tmp_path / "bert") == "bert-tiny"
+    assert matching_preset(tmp_path / "electra") == "electra-tiny"
+    assert matching_preset(tmp_path / "nothing") is None
 
 
 def test_electra_logs_argmax_and_sampled_generator_accuracy():

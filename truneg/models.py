@@ -73,6 +73,34 @@ def check_preset(preset: str) -> None:
         raise UserError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
+SIZE_KEYS = ("hidden_size", "num_hidden_layers")  # what a preset and a checkpoint are matched on
+
+
+def preset_sizes(preset: str) -> dict:
+    """A preset's SIZE_KEYS (an ELECTRA preset's: its discriminator's)."""
+    spec = ELECTRA_PRESETS[preset][0] if is_electra(preset) else BERT_PRESETS[preset]
+    return {k: spec[k] for k in SIZE_KEYS}
+
+
+def is_electra_checkpoint(root: Path) -> bool:
+    """An ELECTRA checkpoint is a folder with generator/ and discriminator/ (as `truneg export` writes)."""
+    return (root / "discriminator" / "config.json").is_file()
+
+
+def matching_preset(root: Path) -> str | None:
+    """The preset whose sizes an --init-from checkpoint has, read from its config.json alone (no weights);
+    None when none matches or the config cannot be read."""
+    import json
+
+    electra = is_electra_checkpoint(root)
+    try:
+        config = json.loads((root / "discriminator" / "config.json" if electra else root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return next((name for name in PRESETS if is_electra(name) == electra
+                 and all(config.get(k) == v for k, v in preset_sizes(name).items())), None)
+
+
 def _common_config() -> dict:
     # SDPA attention explicitly: flash / memory-efficient kernels on GPUs, and a graph dynamo traces whole.
     return {"vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_POSITIONS, "type_vocab_size": 2,
@@ -272,7 +300,7 @@ def build_pretrainer(
 
 
 def _continued(preset: str | None, root: Path, objective: ObjectiveConfig) -> BertPretrainer | ElectraPretrainer:
-    electra = (root / "discriminator" / "config.json").is_file()
+    electra = is_electra_checkpoint(root)
     if preset is not None:
         check_preset(preset)
         if is_electra(preset) != electra:
@@ -282,13 +310,12 @@ def _continued(preset: str | None, root: Path, objective: ObjectiveConfig) -> Be
         generator = _from_pretrained(ElectraForMaskedLM, root / "generator")
         discriminator = _from_pretrained(ElectraForPreTraining, root / "discriminator")
         model = ElectraPretrainer(generator, discriminator, objective)
-        config, sizes = discriminator.config, ELECTRA_PRESETS.get(preset or "", (None,))[0]
+        config = discriminator.config
     else:
         model = BertPretrainer(_from_pretrained(BertForMaskedLM, root), objective)
-        config, sizes = model.mlm.config, BERT_PRESETS.get(preset or "")
-    if sizes is not None:
-        loaded = {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers")}
-        wanted = {k: sizes[k] for k in loaded}
+        config = model.mlm.config
+    if preset is not None:
+        loaded, wanted = {k: getattr(config, k) for k in SIZE_KEYS}, preset_sizes(preset)
         if loaded != wanted:
             raise UserError(f"--model {preset} ({wanted['num_hidden_layers']} layers x {wanted['hidden_size']}) contradicts "
                             f"--init-from {root} ({loaded['num_hidden_layers']} x {loaded['hidden_size']}); "

@@ -35,24 +35,11 @@ def _capability(capability):
 
 def effective_preset(args: argparse.Namespace) -> str | None:
     """--model, else the preset an --init-from checkpoint matches (None if none), else electra-tiny."""
-    import json
-
-    from truneg.models import BERT_PRESETS, DEFAULT_PRESET, ELECTRA_PRESETS
+    from truneg.models import DEFAULT_PRESET, matching_preset
 
     if args.model or not args.init_from:
         return args.model or DEFAULT_PRESET
-    root = Path(args.init_from)
-    electra = (root / "discriminator" / "config.json").is_file()
-    try:
-        hf = json.loads((root / "discriminator" / "config.json" if electra else root / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    sizes = {name: (disc if electra else spec) for name, spec in {**BERT_PRESETS, **ELECTRA_PRESETS}.items()
-             for disc in [spec[0] if isinstance(spec, tuple) else spec]}
-    for name, spec in sizes.items():
-        if name.startswith("electra") == electra and all(hf.get(k) == spec[k] for k in ("hidden_size", "num_hidden_layers")):
-            return name
-    return None
+    return matching_preset(Path(args.init_from))
 
 
 def resolve_config(args: argparse.Namespace, world_size: int, capability=_LOCAL) -> tuple[dict, list[str]]:
