@@ -101,13 +101,6 @@ def patched(owner, name: str, value):
         setattr(owner, name, real)
 
 
-def innermost_optimizer(engine):
-    inner = engine.optimizer
-    while hasattr(inner, "optimizer"):
-        inner = inner.optimizer
-    return inner
-
-
 @dataclass
 class Run:
     error: str | None
@@ -147,6 +140,8 @@ def run_pretrain(argv: list[str], output_dir: Path) -> Run:
     seconds = time.perf_counter() - start
     facts = {}
     if engines:
+        from truneg.loop import innermost_optimizer
+
         engine = engines[-1]
         precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
         facts = {"zero": engine.zero_optimization_stage(), "precision": precision,

@@ -223,8 +223,8 @@ def _kill_when_first_shard_commits(cmd: list[str], env: dict, shards: Path) -> s
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
-        assert wait_for(lambda: any(shards.glob("*/shards/*.json")) or any(shards.glob("shards/*.json"))
-                        or proc.poll() is not None, timeout=120, interval=0.005)
+        assert wait_for(lambda: any(shards.rglob("shards/*.json")) or proc.poll() is not None, timeout=120,
+                        interval=0.005)
         kill_group(proc)
     finally:
         proc.wait()

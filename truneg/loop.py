@@ -87,6 +87,14 @@ class StopSignal:
         self.received = signum
 
 
+def innermost_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's ZeRO / bf16 / fp16 wrappers, each of which holds the next."""
+    inner = engine.optimizer
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    return inner
+
+
 class SkipGuard:
     """Skips the update of an optimizer step whose gradients are not finite on some rank.
 
@@ -97,9 +105,7 @@ class SkipGuard:
     schedule still advance, as for an fp16 overflow."""
 
     def __init__(self, engine):
-        inner = engine.optimizer
-        while hasattr(inner, "optimizer"):  # DeepSpeed's ZeRO / bf16 / fp16 wrappers hold the torch optimizer
-            inner = inner.optimizer
+        inner = innermost_optimizer(engine)
         self.skip = False
         real_step = inner.step
 
