@@ -6,10 +6,16 @@ the same run. Prints samples/s and each one's ratio to the plain loop.
     python bench/gpu_zero_stages.py --compile-only  # ZeRO-1 and the plain loop, each with/without torch.compile
     python bench/gpu_zero_stages.py --timer-only    # ZeRO-1 with DeepSpeed's throughput timer synchronized
                                                     # (DeepSpeed's default) and not (truneg's default)
+    python bench/gpu_zero_stages.py --profile       # BERT-large ZeRO-1, the plain loop and ELECTRA-base ZeRO-1
+                                                    # under torch.profiler: the GPU's busy share of 3 steady
+                                                    # steps and the top ops by GPU time (with OUT set, their
+                                                    # traces go to $OUT/profile_*.json.gz)
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -25,27 +31,62 @@ MICRO, ACCUM = 64, 4
 STEPS = 15 if len(sys.argv) == 1 else 25
 
 
-def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchronized_timer: bool = False) -> float:
-    from truneg import pretrain
+@contextlib.contextmanager
+def profiled(label: str):
+    """torch.profiler over 3 steady optimizer steps (after 4 skipped and 1 warm-up): the caller calls
+    `.step()` after each optimizer step. Prints how much of those steps' wall time the device was busy
+    (the union of its kernels; a host-bound step leaves it idle) and the ops that took the most device time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    config = json.loads((REPO / "ds_configs" / "bert_large_a100_bf16_zero1.json").read_text())
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, schedule=schedule(wait=4, warmup=1, active=3, repeat=1)) as prof:
+        yield prof
+    events = prof.events()
+    steps = [e.time_range for e in events if e.name.startswith("ProfilerStep")]
+    start, end = min(r.start for r in steps), max(r.end for r in steps)
+    busy, reach = 0.0, start  # the union of the kernels' intervals inside the steps
+    kernels = (e.time_range for e in events if e.device_type == DeviceType.CUDA and e.time_range.end > start)
+    for r in sorted(kernels, key=lambda r: r.start):
+        lo, hi = max(r.start, reach), min(r.end, end)
+        if hi > lo:
+            busy, reach = busy + hi - lo, hi
+    print(f"PROFILE {label}: device busy {100 * busy / (end - start):.1f} % of 3 steps' {(end - start) / 3e3:.1f} ms "
+          "per step", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60),
+          flush=True)
+    if os.environ.get("OUT"):
+        prof.export_chrome_trace(str(Path(os.environ["OUT"]) / f"profile_{label}.json.gz"))
+
+
+def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchronized_timer: bool = False,
+                   profile: bool = False, model: str = "bert-large") -> float:
+    from truneg import loop, pretrain
+
+    config = json.loads((REPO / "ds_configs" / f"{model.replace('-', '_')}_a100_bf16_zero1.json").read_text())
     config["zero_optimization"] = {"stage": stage}
     if stage == 0:  # DeepSpeed refuses fp32 gradient accumulation with bf16 at stage 0
         config.pop("data_types", None)
     if synchronized_timer:
         config["timers"] = {"throughput": {"synchronized": True}}
-    name = f"zero{stage}{'_'.join(extra)}{'_synced' if synchronized_timer else ''}"
+    name = f"{model}_zero{stage}{'_'.join(extra)}{'_synced' if synchronized_timer else ''}"
     path = work / f"{name}.json"
     path.write_text(json.dumps(config))
     out = work / name
-    pretrain.main(["--model", "bert-large", "--deepspeed_config", str(path), "--micro-batch-size", str(MICRO),
+    with contextlib.ExitStack() as stack:
+        if profile:  # prof.step() after each of truneg's optimizer steps
+            prof = stack.enter_context(profiled(f"{model}_zero{stage}"))
+            real_step = loop.train_step
+            stack.callback(setattr, loop, "train_step", real_step)
+            loop.train_step = lambda *a, **k: (real_step(*a, **k), prof.step())[0]
+        pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(MICRO),
                    "--gradient-accumulation-steps", str(ACCUM), "--max-steps", str(STEPS), "--log-steps", "5",
-                   "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *extra])
+                       "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *extra])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["samples_per_sec"] for r in records[1:])
 
 
-def plain_rate(compiled: bool = False) -> float:
+def plain_rate(compiled: bool = False, profile: bool = False) -> float:
     import numpy as np
 
     from truneg.data import load_tokenizer
@@ -62,17 +103,20 @@ def plain_rate(compiled: bool = False) -> float:
     batch = {k: v.cuda() for k, v in mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id,
                                                   len(tokenizer), "bert", 0, 0, np.arange(MICRO), 20).items()}
     times = []
-    for step in range(STEPS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(ACCUM):
-            loss, _ = model(**batch)
-            (loss / ACCUM).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if step >= 3:
-            times.append(time.perf_counter() - t0)
+    with profiled("plain") if profile else contextlib.nullcontext() as prof:
+        for step in range(STEPS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(ACCUM):
+                loss, _ = model(**batch)
+                (loss / ACCUM).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            if step >= 3:
+                times.append(time.perf_counter() - t0)
+            if prof is not None:
+                prof.step()
     del model, optimizer
     torch.cuda.empty_cache()
     return MICRO * ACCUM / statistics.median(times)
@@ -85,6 +129,12 @@ def main() -> None:
         plain = {compiled: plain_rate(compiled) for compiled in (False, True)}
         print(f"RESULT zero1_compile_speedup={rates[('--compile',)] / rates[()]:.3f} "
               f"plain_compile_speedup={plain[True] / plain[False]:.3f}")
+        return
+    if "--profile" in sys.argv:  # where the device idles: ZeRO-1 against the plain loop, and ELECTRA-base
+        zero1, plain = deepspeed_rate(1, work, profile=True), plain_rate(profile=True)
+        electra = deepspeed_rate(1, work, profile=True, model="electra-base")
+        print(f"RESULT profiled bert_large_zero1={zero1:.1f} plain={plain:.1f} electra_base_zero1={electra:.1f} "
+              "(samples/s, under the profiler)")
         return
     if "--timer-only" in sys.argv:  # the cost of DeepSpeed's synchronized throughput timer
         synced, unsynced = deepspeed_rate(1, work, synchronized_timer=True), deepspeed_rate(1, work)

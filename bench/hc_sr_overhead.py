@@ -2,16 +2,16 @@
 
     python bench/hc_sr_overhead.py [--presets electra-small,bert-base] [--batch 8] [--steps 6]
 
-A step is forward + backward + AdamW step at seq 128, like a training step. Each variant reuses the
-weights of the first (deep-copied) and the same masked batch; the variants run round-robin so drift
-of the machine hits all of them alike. Prints a table per preset and a last line
+A step is forward + backward + AdamW step at seq 128, like a training step. Every variant is the same
+model (same weights: AdamW at lr 0) on the same masked batch, only its objective switched; the variants
+run round-robin so drift of the machine hits all of them alike. Prints a table per preset, HC's and SR's
+own operations timed alone (a second estimate, without the step's noise), and a last line
 `RESULT hc=<ratio> sr=<ratio> hc_sr=<ratio> sr_sent=<ratio>` (the bert-base ratios when it ran: the
 median over rounds of each round's step time over the same round's baseline).
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from truneg.data import load_tokenizer  # noqa: E402
 from truneg.masking import default_max_predictions, mask_tokens  # noqa: E402
 from truneg.models import ObjectiveConfig, build_pretrainer  # noqa: E402
+from truneg.objectives import hard_correction, soft_regularization  # noqa: E402
 from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  # noqa: E402
 
 VARIANTS = {
@@ -54,37 +55,67 @@ def hf_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup) -> dict[str, float]:
     torch.manual_seed(0)
-    base = build_pretrainer(preset, ObjectiveConfig())
-    batch = real_batch(load_tokenizer(), batch_size, 128, base.scheme)
-    models, optimizers = {}, {}
-    for name, variant in VARIANTS.items():
-        model = copy.deepcopy(base)
-        model.set_objective(ObjectiveConfig(hc_lookup=lookup if variant["hc"] else None, sr=variant["sr"],
-                                            sr_sent_target=variant.get("target", "masked")))
-        models[name], optimizers[name] = model.train(), torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = build_pretrainer(preset, ObjectiveConfig()).train()
+    batch = real_batch(load_tokenizer(), batch_size, 128, model.scheme)
+    # One model for every variant: the same weights, in the same memory, so that only the objective differs
+    # between them. AdamW at lr 0 does a full step's work and leaves the weights as they are.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    objectives = {name: ObjectiveConfig(hc_lookup=lookup if v["hc"] else None, sr=v["sr"],
+                                        sr_sent_target=v.get("target", "masked")) for name, v in VARIANTS.items()}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for step in range(steps + 1):  # step 0 warms up
         order = list(VARIANTS)
         for name in order[step % len(order):] + order[: step % len(order)]:  # rotate who runs first
+            model.set_objective(objectives[name])
             torch.manual_seed(step)
             start = time.perf_counter()
-            loss, _ = models[name](**batch)
+            loss, _ = model(**batch)
             loss.backward()
-            optimizers[name].step()
-            optimizers[name].zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             if step:
                 times[name].append(time.perf_counter() - start)
     # Paired: each round's variant over the same round's baseline (drift of the machine cancels within a
     # round), then the median over rounds; the spread of those per-round ratios is the bench's own noise.
     ratios = {name: sorted(t / b for t, b in zip(times[name], times["baseline"])) for name in VARIANTS}
     medians = {name: statistics.median(t) for name, t in times.items()}
+    # An estimate without the step's noise: HC's and SR's own operations timed alone, over the median step.
+    own = own_operations_ms(model, batch, lookup)
     print(f"\n{preset}, batch {batch_size}, seq 128, {torch.get_num_threads()} threads, {steps} rounds")
     print(f"{'variant':<10} {'step ms':>9} {'ratio':>7} {'quartiles of round ratios':>27}")
     for name, seconds in medians.items():
         r = ratios[name]
         print(f"{name:<10} {1e3 * seconds:>9.1f} {statistics.median(r):>7.3f} "
               f"{r[len(r) // 4]:>13.3f} - {r[(3 * len(r)) // 4]:.3f}")
+    for name, ms in own.items():
+        print(f"{name} alone: {ms:.2f} ms = {1 + ms / (1e3 * medians['baseline']):.4f} of the baseline step")
     return {name: statistics.median(r) for name, r in ratios.items()}
+
+
+def own_operations_ms(model, batch: dict[str, torch.Tensor], lookup: SynonymLookup, repeats: int = 20) -> dict[str, float]:
+    """Milliseconds of what HC and SR add to a step, timed alone on the batch's slots: HC's synonym lookup and
+    mask; SR's lookup, cosine and backward, summed into a gradient the embedding already has."""
+    gold = batch["original_ids"].gather(1, batch["masked_positions"])
+    pred = gold.roll(1, dims=1)  # mostly different tokens, like early predictions
+    valid = batch["masked_valid"]
+    weight = model.word_embeddings.weight
+
+    def hc():
+        hard_correction(gold, pred, lookup) & valid
+
+    def sr():
+        soft_regularization(weight, gold, pred, valid).backward()
+
+    weight.grad = torch.zeros_like(weight)
+    timings = {}
+    for name, operation in (("HC", hc), ("SR", sr)):
+        operation()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            operation()
+        timings[name] = 1e3 * (time.perf_counter() - start) / repeats
+    weight.grad = None
+    return timings
 
 
 def main() -> None:

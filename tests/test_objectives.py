@@ -66,7 +66,10 @@ def test_soft_regularization_value_and_gradient_match_reference(seed):
     gold = torch.randint(0, 30, (10,), generator=gen)
     pred = torch.randint(0, 30, (10,), generator=gen)
     value = soft_regularization(emb, gold, pred)
-    value.backward()
+    # In a model the matrix is also the input embedding (a dense gradient); SR's own may be sparse (on the
+    # CPU), and the parameter's gradient must still come out dense, as DeepSpeed and the optimizers take it.
+    (value + (emb * 0).sum()).backward()
+    assert emb.grad.layout == torch.strided
     E = emb.detach().numpy()
     ref_value, ref_grad = 0.0, np.zeros_like(E)
     for g, p in zip(gold.tolist(), pred.tolist()):
@@ -80,6 +83,10 @@ def test_soft_regularization_value_and_gradient_match_reference(seed):
     assert abs(value.item() - ref_value) < 1e-6
     np.testing.assert_allclose(emb.grad.numpy(), ref_grad, atol=1e-6)
     assert (emb.grad[pred].abs().sum(1) > 0).all() and (emb.grad[gold].abs().sum(1) > 0).all()
+    # SR alone: the same gradient, whatever its layout
+    alone = emb.detach().clone().requires_grad_()
+    soft_regularization(alone, gold, pred).backward()
+    np.testing.assert_allclose(alone.grad.to_dense().numpy(), ref_grad, atol=1e-6)
 
 
 def test_sentence_regularization_matches_reference():

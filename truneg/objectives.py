@@ -42,8 +42,13 @@ def soft_regularization(
     embedding_matrix: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The paper's Eq. 3: mean over masked positions of 1 - cos(E[gold], E[pred]); gradients reach both rows."""
-    # One lookup of both rows: its backward writes one dense [V, H] gradient, not two.
-    gold_vectors, pred_vectors = F.embedding(torch.stack([gold, pred]), embedding_matrix).float().unbind(0)
+    # One lookup of both rows. Its gradient is sparse on the CPU: a dense one is a [V, H] buffer zeroed and then
+    # summed into the embedding's gradient, 0.7 % of a bert-base step there (bench/hc_sr_overhead.py), where
+    # the sparse one is [2 x B x P, H]. On GPUs the dense buffer is a memset and stays (the sparse sum is not checked
+    # for host syncs there), and so does a torch.compile graph.
+    sparse = embedding_matrix.device.type == "cpu" and not torch.compiler.is_compiling()
+    both = F.embedding(torch.stack([gold, pred]), embedding_matrix, sparse=sparse)
+    gold_vectors, pred_vectors = both.float().unbind(0)
     per_position = 1.0 - F.cosine_similarity(gold_vectors, pred_vectors, dim=-1)
     if valid is None:
         return per_position.mean()
