@@ -1,0 +1,78 @@
+"""The training metrics' accumulator, in-process: its sums against plain Python floats, across a save and a
+load, and a constant number of ops per micro-step however many stats a model reports."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from truneg.metrics import MetricsLogger
+
+
+def logger(tmp_path) -> MetricsLogger:
+    return MetricsLogger(engine=None, output_dir=tmp_path, seq_len=128, rank=0)
+
+
+def micro_steps(names: list[str], count: int, nonfinite_at: int) -> list[tuple[dict, torch.Tensor]]:
+    rng = random.Random(0)
+    steps = []
+    for i in range(count):
+        loss = torch.tensor(float("nan") if i == nonfinite_at else rng.uniform(1, 9))
+        steps.append(({name: torch.tensor(rng.uniform(0, 100)) for name in names}, loss))
+    return steps
+
+
+def add(metrics: MetricsLogger, steps) -> None:
+    for stats, loss in steps:
+        metrics.add(stats, loss, torch.isfinite(loss), samples=4)
+
+
+def test_sums_equal_python_floats_and_survive_a_save_and_load(tmp_path):
+    names = ["mlm_loss", "masked", "mismatched", "corrected", "sequences", "sequences_corrected", "sr_loss"]
+    steps = micro_steps(names, count=7, nonfinite_at=2)
+    reference: dict[str, float] = {}
+    for stats, loss in steps:
+        finite = bool(torch.isfinite(loss))
+        for key, value in {"loss": loss, "finite_micro_steps": torch.tensor(1.0), **stats}.items():
+            reference[key] = reference.get(key, 0.0) + (float(value) if finite else 0.0)
+
+    whole = logger(tmp_path)
+    add(whole, steps)
+    assert whole.state_dict()["sums"] == reference  # bitwise: the same additions in the same order
+    assert whole.state_dict()["micro_steps"] == 7
+
+    # Saved after 4 micro-steps and loaded by a new logger (a resume); an older checkpoint's key order too.
+    first = logger(tmp_path)
+    add(first, steps[:4])
+    saved = first.state_dict()
+    for order in (list(saved["sums"]), sorted(saved["sums"])):
+        resumed = logger(tmp_path)
+        resumed.load_state_dict({**saved, "sums": {k: saved["sums"][k] for k in order}})
+        add(resumed, steps[4:])
+        assert resumed.state_dict()["sums"] == reference
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_micro_step_costs_the_same_few_ops_however_many_stats(tmp_path):
+    # On a GPU every op is a kernel launch on the training thread: the count must not grow with the stats.
+    counts = []
+    for names in (["mlm_loss", "masked"], [f"stat_{i}" for i in range(14)]):
+        metrics = logger(tmp_path)
+        steps = micro_steps(names, count=2, nonfinite_at=-1)
+        add(metrics, steps[:1])
+        (stats, loss), finite = steps[1], torch.isfinite(steps[1][1])
+        with _OpCount() as counter:
+            metrics.add(stats, loss, finite, samples=4)
+        counts.append(sum(counter.ops.values()))
+    assert counts[0] == counts[1] <= 8, counts  # 4 per stat before: 58 for ELECTRA's 12 stats
