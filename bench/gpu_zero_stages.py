@@ -3,13 +3,16 @@ at ZeRO-0, 1 and 2, against a plain torch loop (bf16 weights, fused torch AdamW,
 the same run. Prints samples/s and each one's ratio to the plain loop.
 
     python bench/gpu_zero_stages.py                 # on a GPU (bench/gpu_check.sh's wheel folder installed)
-    python bench/gpu_zero_stages.py --compile-only  # ZeRO-1 and the plain loop, each with/without torch.compile
     python bench/gpu_zero_stages.py --timer-only    # ZeRO-1 with DeepSpeed's throughput timer synchronized
                                                     # (DeepSpeed's default) and not (truneg's default)
     python bench/gpu_zero_stages.py --profile       # BERT-large ZeRO-1, the plain loop and ELECTRA-base ZeRO-1
                                                     # under torch.profiler: the GPU's busy share of 3 steady
                                                     # steps and the top ops by GPU time (with OUT set, their
                                                     # traces go to $OUT/profile_*.json.gz)
+    python bench/gpu_zero_stages.py --compile-only  # ZeRO-1 and the plain loop, each with/without torch.compile
+
+Several modes named run in that order in one process (one start-up), each printing its RESULT line; a mode
+that fails prints its traceback and the next one runs.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -122,24 +126,28 @@ def plain_rate(compiled: bool = False, profile: bool = False) -> float:
     return MICRO * ACCUM / statistics.median(times)
 
 
-def main() -> None:
-    work = Path(tempfile.mkdtemp(prefix="zero_stages_"))
-    if "--compile-only" in sys.argv:  # ZeRO-1 and the plain loop, with and without torch.compile
-        rates = {flag: deepspeed_rate(1, work, flag) for flag in ((), ("--compile",))}
-        plain = {compiled: plain_rate(compiled) for compiled in (False, True)}
-        print(f"RESULT zero1_compile_speedup={rates[('--compile',)] / rates[()]:.3f} "
-              f"plain_compile_speedup={plain[True] / plain[False]:.3f}")
-        return
-    if "--profile" in sys.argv:  # where the device idles: ZeRO-1 against the plain loop, and ELECTRA-base
-        zero1, plain = deepspeed_rate(1, work, profile=True), plain_rate(profile=True)
-        electra = deepspeed_rate(1, work, profile=True, model="electra-base")
-        print(f"RESULT profiled bert_large_zero1={zero1:.1f} plain={plain:.1f} electra_base_zero1={electra:.1f} "
-              "(samples/s, under the profiler)")
-        return
-    if "--timer-only" in sys.argv:  # the cost of DeepSpeed's synchronized throughput timer
-        synced, unsynced = deepspeed_rate(1, work, synchronized_timer=True), deepspeed_rate(1, work)
-        print(f"RESULT zero1_unsynchronized_timer_speedup={unsynced / synced:.3f} unsynchronized={unsynced:.1f}")
-        return
+def timer_only(work: Path) -> str:
+    """The cost of DeepSpeed's synchronized throughput timer (its default) against truneg's unsynchronized one."""
+    synced, unsynced = deepspeed_rate(1, work, synchronized_timer=True), deepspeed_rate(1, work)
+    return f"zero1_unsynchronized_timer_speedup={unsynced / synced:.3f} unsynchronized={unsynced:.1f}"
+
+
+def profile_only(work: Path) -> str:
+    """Where the device idles: ZeRO-1 against the plain loop, and ELECTRA-base."""
+    zero1, plain = deepspeed_rate(1, work, profile=True), plain_rate(profile=True)
+    electra = deepspeed_rate(1, work, profile=True, model="electra-base")
+    return f"profiled bert_large_zero1={zero1:.1f} plain={plain:.1f} electra_base_zero1={electra:.1f} (samples/s)"
+
+
+def compile_only(work: Path) -> str:
+    """ZeRO-1 and the plain loop, each with and without torch.compile."""
+    rates = {flag: deepspeed_rate(1, work, flag) for flag in ((), ("--compile",))}
+    plain = {compiled: plain_rate(compiled) for compiled in (False, True)}
+    return (f"zero1_compile_speedup={rates[('--compile',)] / rates[()]:.3f} "
+            f"plain_compile_speedup={plain[True] / plain[False]:.3f}")
+
+
+def zero_stages(work: Path) -> str:
     plain = plain_rate()
     print(f"plain torch bf16 loop: {plain:.1f} samples/s", flush=True)
     rates = {}
@@ -147,7 +155,23 @@ def main() -> None:
         rates[stage] = deepspeed_rate(stage, work)
         print(f"truneg + DeepSpeed ZeRO-{stage}: {rates[stage]:.1f} samples/s ({rates[stage] / plain:.2f}x the plain loop)",
               flush=True)
-    print("RESULT " + " ".join(f"zero{s}_vs_plain={r / plain:.3f}" for s, r in rates.items()) + f" plain={plain:.1f}")
+    return " ".join(f"zero{s}_vs_plain={r / plain:.3f}" for s, r in rates.items()) + f" plain={plain:.1f}"
+
+
+MODES = {"--timer-only": timer_only, "--profile": profile_only, "--compile-only": compile_only}
+
+
+def main() -> None:
+    """The modes named on the command line, in this order, in one process (one start-up for all); a mode that
+    fails prints its traceback and the next one runs. None named: the ZeRO-stage comparison."""
+    work = Path(tempfile.mkdtemp(prefix="zero_stages_"))
+    chosen = [run for flag, run in MODES.items() if flag in sys.argv] or [zero_stages]
+    for run in chosen:
+        try:
+            print(f"RESULT {run(work)}", flush=True)
+        except Exception:
+            traceback.print_exc()
+            print(f"RESULT {run.__name__} failed", flush=True)
 
 
 if __name__ == "__main__":
