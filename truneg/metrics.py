@@ -31,8 +31,8 @@ class MetricsLogger:
         """Accumulate one micro-step (stats are detached 0-d tensors; no host sync here). A micro-step whose
         loss is not finite adds nothing but its samples: its optimizer step is skipped.
 
-        The values go into one tensor first: a handful of kernel launches per micro-step however many stats
-        there are (one cast, `where` and add per stat were 4 launches each, 58 for ELECTRA's)."""
+        The values go into one tensor first: 7 ops (kernel launches on a GPU) per micro-step however many
+        stats there are; summed one by one, each stat took 4 (a cast, a zeros, a `where`, an add)."""
         values = {"loss": loss.detach(), "finite_micro_steps": torch.ones_like(loss), **stats}
         packed = torch.where(finite, torch.stack(list(values.values())).double(), 0.0)
         keys = list(values)
