@@ -47,10 +47,13 @@ def profiled(label: str):
     with profile(activities=activities, schedule=schedule(wait=4, warmup=1, active=3, repeat=1)) as prof:
         yield prof
     events = prof.events()
-    steps = [e.time_range for e in events if e.name.startswith("ProfilerStep")]
+    # The steps' window on the host; on the device, kernels only: the profiler also puts its user annotations
+    # there (a ProfilerStep spans a whole step's GPU work and would hide the idle gaps).
+    steps = [e.time_range for e in events if e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
     start, end = min(r.start for r in steps), max(r.end for r in steps)
     busy, reach = 0.0, start  # the union of the kernels' intervals inside the steps
-    kernels = (e.time_range for e in events if e.device_type == DeviceType.CUDA and e.time_range.end > start)
+    kernels = (e.time_range for e in events if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False) and e.time_range.end > start)
     for r in sorted(kernels, key=lambda r: r.start):
         lo, hi = max(r.start, reach), min(r.end, end)
         if hi > lo:

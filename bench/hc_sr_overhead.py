@@ -58,8 +58,9 @@ def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup
     model = build_pretrainer(preset, ObjectiveConfig()).train()
     batch = real_batch(load_tokenizer(), batch_size, 128, model.scheme)
     # One model for every variant: the same weights, in the same memory, so that only the objective differs
-    # between them. AdamW at lr 0 does a full step's work and leaves the weights as they are.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    # between them. AdamW at lr 0 does a full step's work (its weight decay included: a multiply by 1 - lr x wd)
+    # and leaves the weights as they are.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.01)
     objectives = {name: ObjectiveConfig(hc_lookup=lookup if v["hc"] else None, sr=v["sr"],
                                         sr_sent_target=v.get("target", "masked")) for name, v in VARIANTS.items()}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}

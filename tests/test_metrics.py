@@ -52,6 +52,12 @@ def test_sums_equal_python_floats_and_survive_a_save_and_load(tmp_path):
         resumed.load_state_dict({**saved, "sums": {k: saved["sums"][k] for k in order}})
         add(resumed, steps[4:])
         assert resumed.state_dict()["sums"] == reference
+    # a stat the resumed run no longer reports keeps its sum
+    dropped = logger(tmp_path)
+    dropped.load_state_dict(saved)
+    stats, loss = steps[4]
+    dropped.add({k: v for k, v in stats.items() if k != "sr_loss"}, loss, torch.isfinite(loss), samples=4)
+    assert dropped.state_dict()["sums"]["sr_loss"] == saved["sums"]["sr_loss"]
 
 
 class _OpCount(TorchDispatchMode):

@@ -33,16 +33,21 @@ class MetricsLogger:
 
         The values go into one tensor first: 7 ops (kernel launches on a GPU) per micro-step however many
         stats there are; summed one by one, each stat took 4 (a cast, a zeros, a `where`, an add)."""
-        values = {"loss": loss.detach(), "finite_micro_steps": torch.ones_like(loss), **stats}
+        # The float32 count makes the stack at least float32, which holds a bf16/fp16 loss and a micro-batch's
+        # counts exactly; stacking straight into float64 would copy each value separately on a GPU.
+        values = {"loss": loss.detach(), "finite_micro_steps": torch.ones_like(loss, dtype=torch.float32), **stats}
         packed = torch.where(finite, torch.stack(list(values.values())).double(), 0.0)
         keys = list(values)
         if self.sums is None:
             self.keys, self.sums = keys, packed
         else:
-            if keys != self.keys or self.sums.device != packed.device:  # sums loaded from a checkpoint
+            if self.keys[: len(keys)] != keys or self.sums.device != packed.device:  # sums loaded from a checkpoint
                 carried = dict(zip(self.keys, self.sums.tolist()))
-                self.keys = keys
-                self.sums = torch.tensor([carried.get(k, 0.0) for k in keys], dtype=torch.float64, device=packed.device)
+                self.keys = keys + [k for k in carried if k not in values]  # a stat no longer reported keeps its sum
+                self.sums = torch.tensor([carried.get(k, 0.0) for k in self.keys], dtype=torch.float64,
+                                         device=packed.device)
+            if len(self.keys) > len(keys):
+                packed = torch.cat([packed, packed.new_zeros(len(self.keys) - len(keys))])
             self.sums = self.sums + packed
         self.micro_steps += 1
         self.interval_samples += samples

@@ -45,8 +45,10 @@ def soft_regularization(
     # One lookup of both rows. Its gradient is sparse on the CPU: a dense one is a [V, H] buffer zeroed and then
     # summed into the embedding's gradient, 0.7 % of a bert-base step there (bench/hc_sr_overhead.py), where
     # the sparse one is [2 x B x P, H]. On GPUs the dense buffer is a memset and stays (the sparse sum is not checked
-    # for host syncs there), and so does a torch.compile graph.
-    sparse = embedding_matrix.device.type == "cpu" and not torch.compiler.is_compiling()
+    # for host syncs there), and so does a torch.compile graph. So does bf16/fp16: a sparse gradient's rows are
+    # added one by one into the large dense gradient, where a half-precision sum would round small ones away.
+    sparse = (embedding_matrix.device.type == "cpu" and embedding_matrix.dtype in (torch.float32, torch.float64)
+              and not torch.compiler.is_compiling())
     both = F.embedding(torch.stack([gold, pred]), embedding_matrix, sparse=sparse)
     gold_vectors, pred_vectors = both.float().unbind(0)
     per_position = 1.0 - F.cosine_similarity(gold_vectors, pred_vectors, dim=-1)
