@@ -1,7 +1,7 @@
 """The stages of bench/gpu_check.sh. Each appends its lines to the summary file as soon as it has them, so a
 stage cut short by its timeout still leaves what it measured.
 
-    python bench/gpu_check.py {info|configs|resume|syncs|throughput} --summary FILE --work DIR [--cpu-dry-run]
+    python bench/gpu_check.py {info|configs|resume|syncs|throughput|locks} --summary FILE --work DIR [--cpu-dry-run]
 
 Engines are built in-process through truneg's own entry point (bench/gpu_runs.py): one process per stage,
 every variant of a stage in it. `--cpu-dry-run` takes the same stages on the CPU with tiny models, each
@@ -159,8 +159,19 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
     return ok
 
 
+def release_locks(mode: Mode, note: Summary, work: Path) -> bool:
+    """After a stage was killed by its timeout: delete the JIT-build locks its processes held when they died
+    (none that a live process holds), so that the stages after it, and the next check, do not wait on them."""
+    from truneg.distributed import orphaned_build_locks
+
+    for lock in orphaned_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
+        lock.unlink(missing_ok=True)
+        note(f"  deleted {lock}: a killed process held it")
+    return True
+
+
 STAGES = {"info": stage_info, "configs": stage_configs, "resume": stage_resume, "syncs": stage_syncs,
-          "throughput": stage_throughput}
+          "throughput": stage_throughput, "locks": release_locks}
 
 
 def main() -> None:

@@ -121,6 +121,8 @@ run_stage() {  # run_stage N NAME DEFAULT_LIMIT_S SUBCOMMAND
     *) result="FAIL (exit $rc)" ;;
   esac
   note "stage $n $name: $result in $((SECONDS - t0)) s"
+  # A process killed while it loaded a JIT-built op leaves the op's lock, and every later load would wait on it.
+  case $rc in 124|137) "$PY" bench/gpu_check.py locks --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1 ;; esac
   [ $rc = 0 ] || note "  last line of its log: $(grep -v '^[[:space:]]*$' "$WORK/stage$n.log" | tail -1 | cut -c1-300)"
   echo "$result" > "$WORK/status.$n"
   { echo "===== stage $n $name: $result"; cat "$WORK/stage$n.log"

@@ -99,7 +99,7 @@ def test_stage4_measures_every_variant(dry_run):
     assert "    compile: 1 graph(s), 0 graph break(s)" in summary.splitlines()
 
 
-def test_a_stage_cut_by_its_timeout_leaves_no_process_and_the_stage_beside_it_passes(cut_run):
+def test_a_stage_cut_by_its_timeout_leaves_no_process_and_the_stage_beside_it_passes(cut_run, launch_env):
     proc, out, summary, work = cut_run
     assert proc.returncode == 1
     assert "stage 2 resume: TIMEOUT after 15 s" in summary
@@ -118,4 +118,8 @@ def test_a_stage_cut_by_its_timeout_leaves_no_process_and_the_stage_beside_it_pa
     killed_at = (work / "status.2").stat().st_mtime
     late = [p for p in (work / "stage2").rglob("*") if p.is_file() and p.stat().st_mtime > killed_at + 1]
     assert not late, f"stage 2's processes wrote after its timeout: {late[:3]}"
+    # nor left a JIT-build lock that would stop every later load of DeepSpeed's comm op (the suite's next launch)
+    from truneg.distributed import orphaned_build_locks
+
+    assert orphaned_build_locks(Path(launch_env["TORCH_EXTENSIONS_DIR"])) == []
     assert (out / "keep.txt").is_file() and (out / "gpu_check.log").is_file()

@@ -301,3 +301,20 @@ def test_a_failed_rank_exit_code_passes_through_the_launchers(tmp_path, launch_e
              "LAUNCHER_ARGS": f"--no_ssh --node_rank=0 --master_addr 127.0.0.1 --master_port {free_port()}"},
         capture_output=True, text=True, timeout=300)
     assert script.returncode == 2 and "no text files found" in script.stdout + script.stderr
+
+
+def test_an_orphaned_build_lock_is_told_from_one_a_live_process_holds(tmp_path):
+    from torch.utils.file_baton import FileBaton
+
+    from truneg.distributed import orphaned_build_locks
+
+    (tmp_path / "held_op").mkdir()
+    (tmp_path / "orphaned_op").mkdir()
+    held = FileBaton(str(tmp_path / "held_op" / "lock"))
+    assert held.try_acquire()  # as torch holds it while it loads or builds an op
+    (tmp_path / "orphaned_op" / "lock").touch()  # as a process killed in between leaves it (its descriptor closed)
+    try:
+        assert orphaned_build_locks(tmp_path) == [(tmp_path / "orphaned_op" / "lock").resolve()]
+    finally:
+        held.release()
+    assert orphaned_build_locks(tmp_path / "held_op") == []

@@ -62,6 +62,24 @@ def refuse_stale_build_lock(extension: str) -> None:
                         f"{extension} op; delete it if no build is running")
 
 
+def orphaned_build_locks(root: Path) -> list[Path]:
+    """The JIT-build locks under `root` (torch's FileBaton, `EXTENSION/lock`) that no process on this host holds.
+
+    torch keeps the lock's file descriptor open from creating the file to deleting it, while it loads or builds
+    the op; a lock that no process has open was left by one killed in between, and every later load of that op
+    would wait on it forever. A holder on another host sharing the folder is not seen from here."""
+    locks = {path.resolve() for path in Path(root).glob("*/lock")}
+    if not locks:
+        return []
+    held = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            held.add(Path(os.readlink(fd)))
+        except OSError:  # the process or descriptor is gone, or another user's
+            continue
+    return sorted(locks - held)
+
+
 def _unlink_shm_allreduce_buffer() -> None:
     """Drop the name of this rank's shared-memory allreduce buffer once every local rank has mapped it.
 
