@@ -30,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_runs import patched  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 MICRO, ACCUM = 64, 4
 STEPS = 15 if len(sys.argv) == 1 else 25
@@ -84,8 +86,13 @@ def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchron
         if profile:  # prof.step() after each of truneg's optimizer steps
             prof = stack.enter_context(profiled(f"{model}_zero{stage}"))
             real_step = loop.train_step
-            stack.callback(setattr, loop, "train_step", real_step)
-            loop.train_step = lambda *a, **k: (real_step(*a, **k), prof.step())[0]
+
+            def profiled_step(*args, **kwargs):
+                result = real_step(*args, **kwargs)
+                prof.step()
+                return result
+
+            stack.enter_context(patched(loop, "train_step", profiled_step))
         pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(MICRO),
                    "--gradient-accumulation-steps", str(ACCUM), "--max-steps", str(STEPS), "--log-steps", "5",
                        "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *extra])
