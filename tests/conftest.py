@@ -1,6 +1,8 @@
 """Shared fixtures: the repo, the shared data folder, and the environment for real deepspeed launches."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -145,3 +147,17 @@ def model_inputs(inputs, labels, original, max_predictions: int | None = None) -
 
     positions, valid = positions_from_labels(labels, max_predictions)
     return {"input_ids": inputs, "original_ids": original, "masked_positions": positions, "masked_valid": valid}
+
+
+def cli_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m truneg.cli ARGS` in this process: the same parsing, commands and exit status (a UserError is
+    `truneg: error: ...` and 2), without a new interpreter's seconds of imports. Launches stay real processes."""
+    from truneg import cli
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(["truneg", *args], code, out.getvalue(), err.getvalue())

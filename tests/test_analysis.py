@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import cli_in_process
 
 from truneg import models
 from truneg.analysis import (
@@ -75,16 +73,12 @@ def test_evaluate_counts_synonym_predictions_of_a_stub_mlm(monkeypatch):
     assert len(cases) == 3 and all(c.gold == "primary" and c.pred == "main" and "main" in c.synonyms for c in cases)
 
 
-def truneg_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "truneg.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
-
-
 def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):
     run_dir, _ = runs("bert-zero2")
     exported = tmp_path / "hf"
-    assert truneg_cli("export", str(run_dir / "checkpoints"), str(exported)).returncode == 0
+    assert cli_in_process("export", str(run_dir / "checkpoints"), str(exported)).returncode == 0
     out = tmp_path / "fn"
-    proc = truneg_cli("fn-stats", "--checkpoints", str(run_dir / "checkpoints"), str(exported), "--data", str(small_corpus),
+    proc = cli_in_process("fn-stats", "--checkpoints", str(run_dir / "checkpoints"), str(exported), "--data", str(small_corpus),
                       "--seq-len", "64", "--max-sequences", "96", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "fn_stats.csv", newline="") as fh:
@@ -107,7 +101,7 @@ def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):
     assert matplotlib.image.imread(out / "fn_stats.png").shape[0] > 100
     assert "iter %" in proc.stdout and "pred %" in proc.stdout
 
-    cases = truneg_cli("fn-cases", "--checkpoint", str(exported), "--data", str(small_corpus), "--seq-len", "64",
+    cases = cli_in_process("fn-cases", "--checkpoint", str(exported), "--data", str(small_corpus), "--seq-len", "64",
                        "-n", "5", "--out", str(tmp_path / "cases"), "--prediction", "sample")
     assert cases.returncode == 0, cases.stderr[-3000:]
     assert (tmp_path / "cases" / "cases.html").read_text().startswith("<!doctype html>")
@@ -121,11 +115,11 @@ def test_bad_paths_are_clear_errors(tmp_path, small_corpus):
         (["fn-cases", "--checkpoint", str(tmp_path), "--data", str(small_corpus), "--out", str(tmp_path / "o")],
          "is neither a truneg checkpoints folder"),
     ]:
-        proc = truneg_cli(*args)
+        proc = cli_in_process(*args)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("truneg: error:") and expected in proc.stderr
     (tmp_path / "config.json").write_text("{}")
-    proc = truneg_cli("fn-stats", "--checkpoints", str(tmp_path), "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"))
+    proc = cli_in_process("fn-stats", "--checkpoints", str(tmp_path), "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "no text files found" in proc.stderr and "Traceback" not in proc.stderr
 
 

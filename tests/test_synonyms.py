@@ -1,12 +1,10 @@
 """Synonym tables on real WordNet (Debian's, through nltk), checked against nltk's own synset API."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
+from conftest import cli_in_process
 
 from truneg import synonyms
 from truneg.errors import UserError
@@ -251,19 +249,18 @@ def test_missing_wordnet_is_one_clear_error(tmp_path, monkeypatch, tokens):
 
 
 def test_cli_show_and_vocab_refusal(tmp_path):
-    truneg = [sys.executable, "-m", "truneg.cli"]
-    out = subprocess.run(truneg + ["synonyms", "show", str(SHIPPED_WORDNET_TABLE), "primary", "stay", "--vocab", str(VOCAB)],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    out = cli_in_process("synonyms", "show", str(SHIPPED_WORDNET_TABLE), "primary", "stay", "--vocab", str(VOCAB))
+    assert out.returncode == 0, out.stderr
+    out = out.stdout.splitlines()
     assert out[0].split("\t")[0] == "primary" and "main" in out[0].split("\t")[1].split()
     assert out[1].startswith("stay\t") and "remain" in out[1].split("\t")[1].split()
     other = tmp_path / "vocab.txt"
     other.write_text("[PAD]\n[UNK]\nhello\n")
-    proc = subprocess.run(truneg + ["synonyms", "show", str(SHIPPED_WORDNET_TABLE), "primary", "--vocab", str(other)],
-                          capture_output=True, text=True)
+    proc = cli_in_process("synonyms", "show", str(SHIPPED_WORDNET_TABLE), "primary", "--vocab", str(other))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "rebuild the table" in proc.stderr and "Traceback" not in proc.stderr
     write_raw_table(tmp_path / "unsorted.npz", np.array([0, 0, 2, 2], dtype=np.int64), np.array([2, 1], dtype=np.int32),
                     ["[PAD]", "big", "large"])
-    proc = subprocess.run(truneg + ["synonyms", "show", str(tmp_path / "unsorted.npz"), "big"], capture_output=True, text=True)
+    proc = cli_in_process("synonyms", "show", str(tmp_path / "unsorted.npz"), "big")
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("truneg: error: synonym table") and "not sorted and unique" in proc.stderr

@@ -105,4 +105,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    from truneg.distributed import shutdown
+
+    shutdown()  # `truneg glue` under the deepspeed launcher holds a process group (see distributed.shutdown)

@@ -140,3 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # The process's end, not main's: benchmarks and tests call main() several times in one process group.
+    from truneg.distributed import shutdown
+
+    shutdown()
