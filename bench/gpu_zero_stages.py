@@ -10,6 +10,9 @@ the same run. Prints samples/s and each one's ratio to the plain loop.
                                                     # steps and the top ops by GPU time (with OUT set, their
                                                     # traces go to $OUT/profile_*.json.gz)
     python bench/gpu_zero_stages.py --compile-only  # ZeRO-1 and the plain loop, each with/without torch.compile
+    python bench/gpu_zero_stages.py --host-bound    # ZeRO-1 as shipped, with DeepSpeed's bf16
+                                                    # immediate_grad_update, and at micro-batch 128 x 2: does
+                                                    # less host work per sample (or overlapped) raise samples/s?
 
 Several modes named run in that order in one process (one start-up), each printing its RESULT line; a mode
 that fails prints its traceback and the next one runs.
@@ -69,16 +72,21 @@ def profiled(label: str):
 
 
 def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchronized_timer: bool = False,
-                   profile: bool = False, model: str = "bert-large") -> float:
+                   profile: bool = False, model: str = "bert-large", immediate_grad_update: bool = False,
+                   micro: int | None = None) -> float:
     from truneg import loop, pretrain
 
+    micro = micro or MICRO
     config = json.loads((REPO / "ds_configs" / f"{model.replace('-', '_')}_a100_bf16_zero1.json").read_text())
     config["zero_optimization"] = {"stage": stage}
     if stage == 0:  # DeepSpeed refuses fp32 gradient accumulation with bf16 at stage 0
         config.pop("data_types", None)
     if synchronized_timer:
         config["timers"] = {"throughput": {"synchronized": True}}
-    name = f"{model}_zero{stage}{'_'.join(extra)}{'_synced' if synchronized_timer else ''}"
+    if immediate_grad_update:  # BF16_Optimizer adds each bf16 gradient into its fp32 one from a backward hook
+        config["bf16"]["immediate_grad_update"] = True
+    name = (f"{model}_zero{stage}{'_'.join(extra)}{'_synced' if synchronized_timer else ''}"
+            f"{'_immediate' if immediate_grad_update else ''}_micro{micro}")
     path = work / f"{name}.json"
     path.write_text(json.dumps(config))
     out = work / name
@@ -93,8 +101,8 @@ def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchron
                 return result
 
             stack.enter_context(patched(loop, "train_step", profiled_step))
-        pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(MICRO),
-                   "--gradient-accumulation-steps", str(ACCUM), "--max-steps", str(STEPS), "--log-steps", "5",
+        pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(micro),
+                       "--gradient-accumulation-steps", str(MICRO * ACCUM // micro), "--max-steps", str(STEPS), "--log-steps", "5",
                        "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *extra])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["samples_per_sec"] for r in records[1:])
@@ -157,6 +165,17 @@ def compile_only(work: Path) -> str:
             f"plain_compile_speedup={plain[True] / plain[False]:.3f}")
 
 
+def host_bound(work: Path) -> str:
+    """If the step is bound by the host's per-parameter work (BF16_Optimizer casts and adds every gradient into
+    its fp32 one after each backward, then clips parameter by parameter), overlapping that work with the
+    backward, or halving it per sample with a micro-batch twice as large, raises samples/s."""
+    shipped = deepspeed_rate(1, work)
+    immediate = deepspeed_rate(1, work, immediate_grad_update=True)
+    doubled = deepspeed_rate(1, work, micro=2 * MICRO)
+    return (f"zero1_immediate_grad_update_speedup={immediate / shipped:.3f} "
+            f"zero1_micro{2 * MICRO}_speedup={doubled / shipped:.3f} shipped={shipped:.1f}")
+
+
 def zero_stages(work: Path) -> str:
     plain = plain_rate()
     print(f"plain torch bf16 loop: {plain:.1f} samples/s", flush=True)
@@ -168,7 +187,8 @@ def zero_stages(work: Path) -> str:
     return " ".join(f"zero{s}_vs_plain={r / plain:.3f}" for s, r in rates.items()) + f" plain={plain:.1f}"
 
 
-MODES = {"--timer-only": timer_only, "--profile": profile_only, "--compile-only": compile_only}
+MODES = {"--timer-only": timer_only, "--profile": profile_only, "--compile-only": compile_only,
+         "--host-bound": host_bound}
 
 
 def main() -> None:
