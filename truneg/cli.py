@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    from truneg.distributed import shutdown
+    if "torch.distributed" in sys.modules:  # `finetune glue --deepspeed_config` set up a process group
+        from truneg.distributed import shutdown
 
-    shutdown()  # `truneg glue` under the deepspeed launcher holds a process group (see distributed.shutdown)
+        shutdown()
