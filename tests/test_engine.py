@@ -66,8 +66,7 @@ def test_kill_9_then_resume_gives_bitwise_equal_losses(runs, tmp_path, launch_en
     writes, is test_reliability's; BERT and ZeRO-3 resume below.)"""
     reference = comparable(read_metrics(runs("electra-zero2")[0]))
     out, corpus = tmp_path / "run", tmp_path / "prepared"
-    proc = subprocess.run([sys.executable, "-m", "truneg.cli", "prepare", "--train-data", str(small_corpus),
-                           "--seq-len", "64", "--out", str(corpus)], cwd=REPO, capture_output=True, text=True)
+    proc = cli_in_process("prepare", "--train-data", str(small_corpus), "--seq-len", "64", "--out", str(corpus))
     assert proc.returncode == 0, proc.stderr[-2000:]
     cmd_args = train_args("electra-zero2", out, corpus)
     killed_port, resumed_port = free_port(), free_port()
