@@ -70,7 +70,7 @@ def test_kill_9_then_resume_gives_bitwise_equal_losses(runs, tmp_path, launch_en
     proc = cli_in_process("prepare", "--train-data", str(small_corpus), "--seq-len", "64", "--out", str(corpus))
     assert proc.returncode == 0, proc.stderr[-2000:]
     cmd_args = train_args("electra-zero2", out, corpus)
-    killed_port, resumed_port = free_port(), free_port()
+    killed_port = free_port()
     proc = start(deepspeed_cmd(*cmd_args, port=killed_port), launch_env)
     latest = out / "checkpoints" / "latest"
     try:
@@ -81,11 +81,17 @@ def test_kill_9_then_resume_gives_bitwise_equal_losses(runs, tmp_path, launch_en
         proc.wait(timeout=60)
     killed_at = len(read_metrics(out))
     assert proc.returncode != 0 and killed_at < MAX_STEPS, "the run ended before it could be killed"
-    resumed_from = int(latest.read_text().replace("global_step", ""))
+    assert shm_allreduce_buffers(killed_port) == []
+    resume_and_match(cmd_args, out, int(latest.read_text().replace("global_step", "")), reference, launch_env)
 
-    second = run(deepspeed_cmd(*cmd_args, port=resumed_port), launch_env)
-    # DeepSpeed's CPU allreduce buffers live in RAM-backed /dev/shm: neither run may leave one behind.
-    assert shm_allreduce_buffers(killed_port) + shm_allreduce_buffers(resumed_port) == []
+
+def resume_and_match(cmd_args: list[str], out: Path, resumed_from: int, reference: list[dict], env: dict) -> None:
+    """Run the same command again: it resumes at `resumed_from`, and the whole run's records (those it kept and
+    those it wrote) equal the uninterrupted reference's."""
+    port = free_port()
+    second = run(deepspeed_cmd(*cmd_args, port=port), env)
+    # DeepSpeed's CPU allreduce buffers live in RAM-backed /dev/shm: no run may leave one behind.
+    assert shm_allreduce_buffers(port) == []
     assert f"resumed from {out / 'checkpoints'} at step {resumed_from}" in second.stdout
     after = comparable(read_metrics(out))
     assert [r["step"] for r in after] == list(range(1, MAX_STEPS + 1))
@@ -106,13 +112,7 @@ def test_resume_from_a_mid_run_checkpoint_gives_bitwise_equal_losses(case, runs,
     cmd_args = train_args(case, out, small_corpus)
     if case == "bert-zero2":  # masking in a background DataLoader worker: the same losses as the inline reference
         cmd_args += ["--data-workers", "1"]
-    port = free_port()
-    second = run(deepspeed_cmd(*cmd_args, port=port), launch_env)
-    assert shm_allreduce_buffers(port) == []
-    assert f"resumed from {out / 'checkpoints'} at step {resumed_from}" in second.stdout
-    after = comparable(read_metrics(out))
-    assert [r["step"] for r in after] == list(range(1, MAX_STEPS + 1))
-    assert after == reference
+    resume_and_match(cmd_args, out, resumed_from, reference, launch_env)
 
 
 def test_export_round_trip_bert(runs, tmp_path):
