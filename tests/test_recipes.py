@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -179,6 +180,46 @@ def test_bf16_accumulates_in_fp32_under_zero_and_the_lamb_recipe_stays_fp16():
     finally:
         tmp.unlink()
     assert any("accumulate in bf16" in line for line in choices)
+
+
+def _readme_config_rows() -> list[tuple[list[str], list[str]]]:
+    """The README's config table: per row, the file names it stands for (`a_{x,y}` brace lists expanded) and
+    its cells."""
+    section = (REPO / "README.md").read_text().split("\n## Configs\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        names = []
+        for pattern in re.findall(r"`([^`]+)`", cells[0]):
+            head, _, rest = pattern.partition("{")
+            options, _, tail = rest.partition("}")
+            names += [head + option + tail for option in options.split(",")] if rest else [pattern]
+        rows.append((names, cells))
+    return rows
+
+
+def test_the_readme_config_table_names_every_shipped_config_with_its_stage_batch_lr_and_precision():
+    """The table users choose a recipe from: every file once, no file that does not exist, and per file (in the
+    order of its brace list) the ZeRO stage, micro-batch, global batch, learning rate and precision it holds."""
+    rows = _readme_config_rows()
+    named = [name for names, _ in rows for name in names]
+    assert sorted(named) == sorted(p.stem for p in CONFIGS)
+    for names, cells in rows:
+        # "2 / 1" gives each file of the brace list its own value; a single value holds for all of them
+        per_file = [values if len(values) == len(names) else values * len(names)
+                    for values in (cells[j].split(" / ") for j in (8, 9, 7))]
+        for name, stage, micro, precision in zip(names, *per_file):
+            config = _raw(REPO / "ds_configs" / f"{name}.json")
+            assert int(stage) == config["zero_optimization"]["stage"], name
+            assert int(micro) == config["train_micro_batch_size_per_gpu"], name
+            assert precision.split()[0] == dsc.precision_of(config), name
+            if "train_batch_size" in config:
+                assert int(cells[3].replace(",", "")) == config["train_batch_size"], name
+            lr = re.search(r"\d(?:\.\d+)?e-\d", cells[4])
+            if lr:  # "as above" repeats the row before
+                assert float(lr.group()) == config["optimizer"]["params"]["lr"], name
 
 
 def test_deepspeeds_throughput_timer_does_not_synchronize_the_device_unless_asked(tmp_path):
