@@ -73,6 +73,15 @@ def profiled(label: str):
         prof.export_chrome_trace(str(Path(os.environ["OUT"]) / f"profile_{label}.json.gz"))
 
 
+@contextlib.contextmanager
+def peak_memory(label: str):
+    """Prints the GPU's peak allocated memory over the block: whether a larger micro-batch fits a 40 or 80 GB
+    GPU is part of choosing it."""
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    print(f"MEMORY {label}: peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+
+
 def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchronized_timer: bool = False,
                    profile: bool = False, model: str = "bert-large", immediate_grad_update: bool = False,
                    micro: int | None = None) -> float:
@@ -93,6 +102,7 @@ def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchron
     path.write_text(json.dumps(config))
     out = work / name
     with contextlib.ExitStack() as stack:
+        stack.enter_context(peak_memory(name))
         if profile:  # prof.step() after each of truneg's optimizer steps
             prof = stack.enter_context(profiled(f"{model}_zero{stage}"))
             real_step = loop.train_step
@@ -128,7 +138,7 @@ def plain_rate(compiled: bool = False, profile: bool = False, micro: int = MICRO
     batch = {k: v.cuda() for k, v in mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id,
                                                   len(tokenizer), "bert", 0, 0, np.arange(micro), 20).items()}
     times = []
-    with profiled("plain") if profile else contextlib.nullcontext() as prof:
+    with (profiled("plain") if profile else contextlib.nullcontext()) as prof, peak_memory(f"plain_micro{micro}"):
         for step in range(STEPS):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
