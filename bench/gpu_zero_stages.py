@@ -82,22 +82,20 @@ def peak_memory(label: str):
     print(f"MEMORY {label}: peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
 
 
-def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchronized_timer: bool = False,
-                   profile: bool = False, model: str = "bert-large", immediate_grad_update: bool = False,
-                   micro: int | None = None) -> float:
+def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", micro: int = MICRO,
+                   flags: tuple[str, ...] = (), edits: dict | None = None, label: str = "",
+                   profile: bool = False) -> float:
+    """truneg's step at a ZeRO stage: the shipped bf16 config of `model` with `edits` merged into its sections,
+    `flags` added to the command line, at `micro` x as many micro-steps as make MICRO x ACCUM samples."""
     from truneg import loop, pretrain
 
-    micro = micro or MICRO
     config = json.loads((REPO / "ds_configs" / f"{model.replace('-', '_')}_a100_bf16_zero1.json").read_text())
     config["zero_optimization"] = {"stage": stage}
     if stage == 0:  # DeepSpeed refuses fp32 gradient accumulation with bf16 at stage 0
         config.pop("data_types", None)
-    if synchronized_timer:
-        config["timers"] = {"throughput": {"synchronized": True}}
-    if immediate_grad_update:  # BF16_Optimizer adds each bf16 gradient into its fp32 one from a backward hook
-        config["bf16"]["immediate_grad_update"] = True
-    name = (f"{model}_zero{stage}{'_'.join(extra)}{'_synced' if synchronized_timer else ''}"
-            f"{'_immediate' if immediate_grad_update else ''}_micro{micro}")
+    for section, values in (edits or {}).items():
+        config[section] = {**config.get(section, {}), **values}
+    name = f"{model}_zero{stage}_micro{micro}{label}{''.join(flags).replace('-', '_')}"
     path = work / f"{name}.json"
     path.write_text(json.dumps(config))
     out = work / name
@@ -115,7 +113,7 @@ def deepspeed_rate(stage: int, work: Path, extra: tuple[str, ...] = (), synchron
             stack.enter_context(patched(loop, "train_step", profiled_step))
         pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(micro),
                        "--gradient-accumulation-steps", str(MICRO * ACCUM // micro), "--max-steps", str(STEPS), "--log-steps", "5",
-                       "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *extra])
+                       "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *flags])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["samples_per_sec"] for r in records[1:])
 
@@ -159,20 +157,21 @@ def plain_rate(compiled: bool = False, profile: bool = False, micro: int = MICRO
 
 def timer_only(work: Path) -> str:
     """The cost of DeepSpeed's synchronized throughput timer (its default) against truneg's unsynchronized one."""
-    synced, unsynced = deepspeed_rate(1, work, synchronized_timer=True), deepspeed_rate(1, work)
+    synced = deepspeed_rate(work, edits={"timers": {"throughput": {"synchronized": True}}}, label="_synced")
+    unsynced = deepspeed_rate(work)
     return f"zero1_unsynchronized_timer_speedup={unsynced / synced:.3f} unsynchronized={unsynced:.1f}"
 
 
 def profile_only(work: Path) -> str:
     """Where the device idles: ZeRO-1 against the plain loop, and ELECTRA-base."""
-    zero1, plain = deepspeed_rate(1, work, profile=True), plain_rate(profile=True)
-    electra = deepspeed_rate(1, work, profile=True, model="electra-base")
+    zero1, plain = deepspeed_rate(work, profile=True), plain_rate(profile=True)
+    electra = deepspeed_rate(work, model="electra-base", profile=True)
     return f"profiled bert_large_zero1={zero1:.1f} plain={plain:.1f} electra_base_zero1={electra:.1f} (samples/s)"
 
 
 def compile_only(work: Path) -> str:
     """ZeRO-1 and the plain loop, each with and without torch.compile."""
-    rates = {flag: deepspeed_rate(1, work, flag) for flag in ((), ("--compile",))}
+    rates = {flags: deepspeed_rate(work, flags=flags) for flags in ((), ("--compile",))}
     plain = {compiled: plain_rate(compiled) for compiled in (False, True)}
     return (f"zero1_compile_speedup={rates[('--compile',)] / rates[()]:.3f} "
             f"plain_compile_speedup={plain[True] / plain[False]:.3f}")
@@ -183,11 +182,12 @@ def host_bound(work: Path) -> str:
     adds after each backward and its clipping), overlapping the per-parameter work with the backward, or more
     samples per micro-step (the same 256 a step), raises samples/s. bench/host_floor.py measures that floor on
     the CPU: at micro 64 x 4 it came to 0.5-0.9 of the step times the H200 measured."""
-    shipped = deepspeed_rate(1, work)
-    immediate = deepspeed_rate(1, work, immediate_grad_update=True)
-    larger = {micro: deepspeed_rate(1, work, micro=micro) for micro in (2 * MICRO, 4 * MICRO)}
+    shipped = deepspeed_rate(work)
+    # BF16_Optimizer adds each bf16 gradient into its fp32 one from a backward hook, overlapped with the backward
+    immediate = deepspeed_rate(work, edits={"bf16": {"immediate_grad_update": True}}, label="_immediate")
+    larger = {micro: deepspeed_rate(work, micro=micro) for micro in (2 * MICRO, 4 * MICRO)}
     plain = {micro: plain_rate(micro=micro) for micro in (MICRO, 4 * MICRO)}  # the ceiling without DeepSpeed
-    electra = {micro: deepspeed_rate(1, work, model="electra-base", micro=micro) for micro in (MICRO, 4 * MICRO)}
+    electra = {micro: deepspeed_rate(work, model="electra-base", micro=micro) for micro in (MICRO, 4 * MICRO)}
     return (f"zero1_immediate_grad_update_speedup={immediate / shipped:.3f} "
             + " ".join(f"zero1_micro{m}_speedup={r / shipped:.3f}" for m, r in larger.items())
             + f" plain_micro{4 * MICRO}_speedup={plain[4 * MICRO] / plain[MICRO]:.3f}"
@@ -201,7 +201,7 @@ def zero_stages(work: Path) -> str:
     print(f"plain torch bf16 loop: {plain:.1f} samples/s", flush=True)
     rates = {}
     for stage in (0, 1, 2):
-        rates[stage] = deepspeed_rate(stage, work)
+        rates[stage] = deepspeed_rate(work, stage)
         print(f"truneg + DeepSpeed ZeRO-{stage}: {rates[stage]:.1f} samples/s ({rates[stage] / plain:.2f}x the plain loop)",
               flush=True)
     return " ".join(f"zero{s}_vs_plain={r / plain:.3f}" for s, r in rates.items()) + f" plain={plain:.1f}"
