@@ -51,6 +51,9 @@ def _export(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="truneg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # The `deepspeed` launcher puts --local_rank=N before the command (`deepspeed -m truneg.cli finetune glue
+    # ...`); the rank is read from LOCAL_RANK, as HF's Trainer does.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
 
     syn = commands.add_parser("synonyms", help="build or inspect synonym tables").add_subparsers(dest="action", required=True)

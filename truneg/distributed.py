@@ -1,7 +1,8 @@
-"""Process set-up: deepspeed.init_distributed (gloo on the CPU), two workarounds for DeepSpeed's CPU comm
-op, and the run's seeding, in one place."""
+"""Process set-up: the ranks from any launcher, deepspeed.init_distributed (gloo on the CPU) and the device of
+each GPU process, two workarounds for DeepSpeed's CPU comm op, and the run's seeding, in one place."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import socket
@@ -23,24 +24,75 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# mpirun and srun start every process themselves and set no RANK (DeepSpeed's openmpi, mvapich and slurm
+# runners leave the ranks to MPI discovery); their own variables: (world size, rank, local rank). srun's are
+# the step's: a batch script also has SLURM_NTASKS and SLURM_PROCID=0, but is one process.
+MPI_LAUNCHER_VARS = (
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),  # Open MPI
+    ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK"),  # MVAPICH2
+    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID"),  # MPICH and Intel MPI (hydra)
+    ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID"),  # srun
+)
+
+
+def _mpi_launcher() -> tuple[str, str, str] | None:
+    """The variables of the MPI launcher or srun that started this process with others, if one did."""
+    return next((names for names in MPI_LAUNCHER_VARS
+                 if int(os.environ.get(names[0], "1")) > 1 and names[1] in os.environ), None)
+
+
+def _left_to_mpi_discovery() -> bool:
+    return _mpi_launcher() is not None and not {"MASTER_ADDR", "LOCAL_RANK"} <= os.environ.keys()
+
+
+def adopt_launcher_env() -> None:
+    """RANK, WORLD_SIZE and LOCAL_RANK before anything reads them (the batch arithmetic, the corpus preparation
+    per node, the process group). A launcher that sets them (DeepSpeed's pdsh launcher, torchrun) is taken as
+    is; under mpirun or srun they come from that launcher's variables, and MASTER_ADDR from the environment or
+    from DeepSpeed's MPI discovery (mpi4py); a process started by hand is a world of one."""
+    if "RANK" in os.environ:
+        return
+    launcher = _mpi_launcher()
+    if launcher is not None:
+        size, rank, local = launcher
+        os.environ.update(RANK=os.environ[rank], WORLD_SIZE=os.environ[size])
+        if local in os.environ:
+            os.environ["LOCAL_RANK"] = os.environ[local]
+        if "MASTER_ADDR" in os.environ:
+            os.environ.setdefault("MASTER_PORT", "29500")  # torch's and DeepSpeed's default
+        if _left_to_mpi_discovery() and importlib.util.find_spec("mpi4py") is None:
+            raise UserError(f"started by mpirun or srun ({size}={os.environ[size]}) without MASTER_ADDR: export "
+                            "MASTER_ADDR and MASTER_PORT (rank 0's host and a free port) to every rank, or "
+                            "pip install mpi4py so that DeepSpeed finds them")
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+
+
 def launch_world_size() -> int:
     """The world size the launcher set up (1 without a launcher), readable before any process group."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init_distributed() -> tuple[int, int]:
-    """deepspeed.init_distributed with gloo on the CPU; `python -m truneg.pretrain` runs as a world of one."""
+    """deepspeed.init_distributed with gloo on the CPU; `python -m truneg.pretrain` runs as a world of one.
+
+    On GPUs each process is bound to its own, cuda:LOCAL_RANK, before any collective: DeepSpeed does it only
+    inside deepspeed.initialize, and NCCL refuses a tensor on cuda:0 (the default device) from a rank whose
+    process group is bound to another GPU, as DeepSpeed binds it on torch >= 2.3."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    adopt_launcher_env()
+    if os.environ.get("WORLD_SIZE", "1") == "1":  # a port of its own, taken as late as possible
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "gloo" if get_accelerator().device_name() == "cpu" else None
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    accelerator = get_accelerator()
+    backend = "gloo" if accelerator.device_name() == "cpu" else None
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=_left_to_mpi_discovery())
     if backend == "gloo":
         _unlink_shm_allreduce_buffer()
+    else:
+        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()
 
 

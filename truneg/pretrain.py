@@ -97,6 +97,7 @@ def checked_start(argv: list[str] | None = None):
     from truneg import build, distributed
     from truneg.run_config import RunConfig
 
+    distributed.adopt_launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from mpirun/srun, before anything reads them
     cfg = RunConfig.from_args(parse_args(argv))
     return cfg, build.check_start(cfg, distributed.launch_world_size())
 

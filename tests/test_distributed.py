@@ -1,0 +1,118 @@
+"""Process set-up under each launcher: ranks from mpirun's and srun's variables (DeepSpeed's openmpi, mvapich
+and slurm runners set no RANK), each GPU process bound to its own device before the first collective, and the
+`--local_rank` the deepspeed launcher adds to `truneg.cli`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+from conftest import REPO, cli_in_process, comparable, free_port, read_metrics, train_args
+
+from truneg import distributed
+from truneg.errors import UserError
+
+LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} | {
+    name for names in distributed.MPI_LAUNCHER_VARS for name in names} | {"SLURM_NTASKS"}
+
+
+@pytest.fixture
+def bare_env(monkeypatch):
+    """No launcher variable at all; each case sets its own."""
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _ranks() -> tuple[str | None, ...]:
+    return tuple(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
+
+
+@pytest.mark.parametrize("launcher, expected", [
+    ({"OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, ("9", "16", "1")),
+    ({"MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_LOCAL_RANK": "3"}, ("3", "4", "3")),
+    ({"PMI_SIZE": "8", "PMI_RANK": "5", "MPI_LOCALRANKID": "1"}, ("5", "8", "1")),
+    # srun's task: the step's size (a batch script has SLURM_NTASKS too, below)
+    ({"SLURM_STEP_NUM_TASKS": "32", "SLURM_NTASKS": "32", "SLURM_PROCID": "17", "SLURM_LOCALID": "1"}, ("17", "32", "1")),
+    # an sbatch script itself: SLURM_PROCID=0 and the allocation's SLURM_NTASKS, but one process
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, ("0", "1", "0")),
+    # a launcher that sets RANK (DeepSpeed's pdsh runner, torchrun) is taken as is, MPI variables or not
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"},
+     ("1", "2", "1")),
+])
+def test_ranks_come_from_mpirun_and_srun_and_a_batch_script_is_one_process(bare_env, launcher, expected):
+    bare_env.setenv("MASTER_ADDR", "10.0.0.1")
+    for name, value in launcher.items():
+        bare_env.setenv(name, value)
+    distributed.adopt_launcher_env()
+    rank, world, local, port = _ranks()
+    assert (rank, world, local) == expected
+    assert distributed.launch_world_size() == int(expected[1])  # what the batch arithmetic is done for
+    if int(world) > 1 and "RANK" not in launcher:
+        assert port == "29500"  # MASTER_ADDR given, MASTER_PORT torch's default
+
+
+def test_mpirun_without_master_addr_or_mpi4py_stops_with_one_line(bare_env):
+    """DeepSpeed's MPI discovery finds MASTER_ADDR through mpi4py; without either there is no rank 0 to meet."""
+    bare_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    bare_env.setenv("OMPI_COMM_WORLD_RANK", "1")
+    bare_env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    real_find_spec = distributed.importlib.util.find_spec
+    bare_env.setattr(distributed.importlib.util, "find_spec",
+                     lambda name, *a: None if name == "mpi4py" else real_find_spec(name, *a))
+    with pytest.raises(UserError, match=r"OMPI_COMM_WORLD_SIZE=2\) without MASTER_ADDR: export MASTER_ADDR"):
+        distributed.adopt_launcher_env()
+    # with mpi4py there, DeepSpeed's discovery is asked for (and fills MASTER_ADDR and MASTER_PORT)
+    bare_env.delenv("RANK")
+    bare_env.setattr(distributed.importlib.util, "find_spec", lambda name, *a: object())
+    distributed.adopt_launcher_env()
+    assert _ranks()[:3] == ("1", "2", "1") and distributed._left_to_mpi_discovery()
+
+
+def test_each_gpu_process_is_bound_to_its_own_device_before_the_first_collective(bare_env):
+    """DeepSpeed binds the device only inside deepspeed.initialize; truneg's shared-folder check and the data
+    barrier come before it, and would run every rank on cuda:0, which NCCL refuses (the process group is bound to
+    cuda:LOCAL_RANK)."""
+    import deepspeed
+    import deepspeed.accelerator
+
+    calls = []
+    accelerator = types.SimpleNamespace(device_name=lambda: "cuda", set_device=lambda i: calls.append(("set_device", i)))
+    bare_env.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
+    bare_env.setattr(deepspeed, "init_distributed", lambda **kw: calls.append(("init", kw["dist_backend"])))
+    bare_env.setattr(distributed.dist, "get_rank", lambda: 3)
+    bare_env.setattr(distributed.dist, "get_world_size", lambda: 4)
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
+        bare_env.setenv(name, value)
+    assert distributed.init_distributed() == (3, 4)
+    assert calls == [("init", None), ("set_device", 1)]  # NCCL (the accelerator's backend), then cuda:1
+
+
+def test_a_run_started_the_way_mpirun_starts_it_trains_as_the_deepspeed_launcher_does(launch_env, runs, small_corpus,
+                                                                                      tmp_path):
+    """DeepSpeed's openmpi runner starts `python -u pretrain.py ARGS` on every slot with only Open MPI's
+    variables. Two such processes must form one world of 2, and train bitwise as the deepspeed launcher's run."""
+    ref_out, _ = runs("bert-zero2")
+    out, port = tmp_path / "mpirun", free_port()
+    env = {k: v for k, v in launch_env.items() if k not in LAUNCH_VARS}
+    procs = [subprocess.Popen([sys.executable, "-u", str(REPO / "truneg" / "pretrain.py"),
+                               *train_args("bert-zero2", out, small_corpus)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**env, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank),
+                                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "x 2 ranks" in outputs[0]
+    assert comparable(read_metrics(out)) == comparable(read_metrics(ref_out))
+
+
+def test_the_cli_takes_the_local_rank_the_deepspeed_launcher_adds(tmp_path):
+    """`deepspeed -m truneg.cli finetune glue ...` runs `python -m truneg.cli --local_rank=N finetune glue ...`."""
+    proc = cli_in_process("--local_rank=1", "finetune", "glue", "--task", "rte", "--model", str(tmp_path / "absent"),
+                          "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "out"))
+    assert "unrecognized arguments" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("truneg: error:")  # past the parser, to the missing model
