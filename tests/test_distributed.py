@@ -20,10 +20,14 @@ LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 @pytest.fixture
 def bare_env(monkeypatch):
-    """No launcher variable at all; each case sets its own."""
+    """No launcher variable at all; each case sets its own. adopt_launcher_env writes os.environ itself, so the
+    whole environment is put back afterwards (a RANK left behind would make a later in-process run a rank 1)."""
+    saved = dict(os.environ)
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _ranks() -> tuple[str | None, ...]:
@@ -65,7 +69,7 @@ def test_mpirun_without_master_addr_or_mpi4py_stops_with_one_line(bare_env):
     with pytest.raises(UserError, match=r"OMPI_COMM_WORLD_SIZE=2\) without MASTER_ADDR: export MASTER_ADDR"):
         distributed.adopt_launcher_env()
     # with mpi4py there, DeepSpeed's discovery is asked for (and fills MASTER_ADDR and MASTER_PORT)
-    bare_env.delenv("RANK")
+    os.environ.pop("RANK")  # not through monkeypatch, which would put back the RANK adopt_launcher_env wrote
     bare_env.setattr(distributed.importlib.util, "find_spec", lambda name, *a: object())
     distributed.adopt_launcher_env()
     assert _ranks()[:3] == ("1", "2", "1") and distributed._left_to_mpi_discovery()
