@@ -13,9 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     MAX_STEPS,
     REPO,
+    cli_in_process,
     comparable,
     deepspeed_cmd,
     free_port,
@@ -243,9 +245,11 @@ def test_resume_on_another_world_size_two_to_one_and_back(runs, tmp_path, launch
     close_losses(read_metrics(out), reference, 16)
 
 
-def test_a_zero_0_checkpoint_resumes_on_another_world_size_directly(runs, tmp_path, launch_env, small_corpus):
+def test_a_zero_0_checkpoint_resumes_on_another_world_size_directly_and_exports(runs, tmp_path, launch_env,
+                                                                               small_corpus):
     """At ZeRO stage 0 every rank holds the whole optimizer: there are no ZeRO partitions for ds_to_universal
-    to convert, and the checkpoint loads on any world size as it is."""
+    to convert, and the checkpoint loads on any world size as it is. Nor for zero_to_fp32 (which stopped the
+    export of the LAMB recipe's checkpoints): `truneg export` writes the model file's weights."""
     reference = read_metrics(runs("bert-deterministic")[0])
     config = json.loads((REPO / "ds_configs" / "cpu_zero2.json").read_text())
     config["zero_optimization"] = {"stage": 0}
@@ -258,6 +262,15 @@ def test_a_zero_0_checkpoint_resumes_on_another_world_size_directly(runs, tmp_pa
     assert "universal" not in one.stdout and f"resumed from {out / 'checkpoints'} at step 8" in one.stdout
     assert [r["step"] for r in read_metrics(out)] == list(range(1, MAX_STEPS + 1))
     close_losses(read_metrics(out), reference, 8)  # ZeRO-0 and ZeRO-2 do the same fp32 arithmetic
+
+    from transformers import BertForMaskedLM
+
+    proc = cli_in_process("export", str(out / "checkpoints"), str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    exported = BertForMaskedLM.from_pretrained(tmp_path / "hf").state_dict()
+    trained = torch.load(out / "checkpoints" / f"global_step{MAX_STEPS}" / "mp_rank_00_model_states.pt",
+                         weights_only=False)["module"]
+    assert len(trained) > 20 and all(torch.equal(exported[k.removeprefix("mlm.")], v) for k, v in trained.items())
 
 
 def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launch_env, small_corpus):

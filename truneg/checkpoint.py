@@ -251,10 +251,16 @@ def prepare_universal(point: ResumePoint, world_size: int, rank: int) -> str:
 
 
 def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
-    """The consolidated fp32 weights of a tag (any ZeRO stage, any world size), by DeepSpeed's zero_to_fp32."""
+    """The consolidated fp32 weights of a tag (any ZeRO stage, any world size): DeepSpeed's zero_to_fp32 for
+    ZeRO-1/2/3. It reads ZeRO partitions only; a ZeRO-0 tag (the LAMB recipe's) has none, and its one model file
+    holds the whole model as it ran (in fp16 runs, the fp16 weights; their fp32 masters are optimizer state)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
+        if not any((checkpoint_dir / tag).glob("*optim_states.pt")):  # ZeRO-0
+            module = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                                weights_only=False)["module"]
+            return {name: value.float() for name, value in module.items()}
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
