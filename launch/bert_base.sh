@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The paper's bert-base, continued from public weights on one 8-GPU node: seq 512, batch 128, lr 5e-5,
+# The paper's bert-base, continued from public weights on one 8-GPU node
+# (HOSTFILE=local; the default is launch/hosts): seq 512, batch 128, lr 5e-5,
 # 200k steps.
 #   OUTPUT=/shared/runs/bert_base INIT=/shared/ckpt/bert-base DATA=/shared/wiki-books HC=wordnet launch/bert_base.sh [extra flags]
 source "$(dirname "$0")/common.sh"

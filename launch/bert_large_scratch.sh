@@ -2,7 +2,8 @@
 # BERT-large from scratch on a multi-node cluster at large batch, seq 128 (BERT's phase 1).
 #   OPT=lamb (default): LAMB, fp16, ZeRO stage 0 (LAMB's per-layer trust ratio needs whole layers:
 #     DeepSpeed's BERT record ran it unpartitioned), batch 16384, lr 4e-3, 15,625 steps.
-#   OPT=adamw: AdamW + ZeRO-2, batch 8192, lr 4e-4 (RoBERTa-large's), 31,250 steps; bf16 with GPU=a100|h100|h200.
+#   OPT=adamw: AdamW, batch 8192, lr 4e-4 (RoBERTa-large's), 31,250 steps; fp16 ZeRO-2, or bf16 ZeRO-1 with
+#     GPU=a100|h100|h200.
 # Both see BERT's 256M sequences (256 x 1M steps).
 #   OUTPUT=/shared/runs/bl DATA=/shared/wiki-books HC=wordnet SR=word launch/bert_large_scratch.sh [extra flags]
 source "$(dirname "$0")/common.sh"

@@ -1,15 +1,18 @@
 # Sourced by the launch scripts: check the hostfile, write the run's env file for the other nodes, check
 # the run (`truneg preflight`), then hand over to the deepspeed launcher.
 #
-# Multi-node runs go over pdsh (or ssh/MPI): every node needs this repo and its venv at the same path,
-# passwordless ssh from the launching node, and OUTPUT and the data on storage every node sees (only
-# rank 0 writes `latest` and the run record: a node-local OUTPUT makes the nodes disagree on where to
-# resume). DeepSpeed forwards only some variables (NCCL_*, PYTHON*, ...) to the other nodes; the rest
-# go in $OUTPUT/deepspeed_env, which DS_ENV_FILE names (see truneg/hostfile.py).
+# Multi-node runs go over pdsh (DeepSpeed's default launcher; it has no ssh fallback; LAUNCHER_ARGS="--launcher
+# openmpi" and the like choose another): every node needs this repo and its venv at the same path (the venv
+# is activated on each node), passwordless ssh from the launching node, and OUTPUT and the data on storage
+# every node sees (only rank 0 writes `latest` and the run record: a node-local OUTPUT makes the nodes
+# disagree on where to resume). DeepSpeed forwards only some variables (PYTHON*, UCX_*; NCCL_* only from
+# a node with a GPU) to the other nodes; the rest, and this shell's NCCL_* and CUDA_HOME, go in
+# $OUTPUT/deepspeed_env, which DS_ENV_FILE names (see truneg/hostfile.py).
 #
 #   OUTPUT    the run's folder (required; shared storage)
 #   GPU       v100 (default: fp16, the paper's machines) | a100 | h100 | h200 (bf16)
-#   HOSTFILE  default launch/hosts;  CONFIG  a config instead of the recipe's;  PREFLIGHT=0 skips the check
+#   HOSTFILE  default launch/hosts; `local`: this machine's GPUs only, no hostfile, no ssh
+#   CONFIG    a config instead of the recipe's;  PREFLIGHT=0 skips the check;  LAUNCHER_ARGS  for deepspeed
 #   DATA      the corpus: a prepared folder (`truneg prepare`), or files, a folder or a glob
 #   HC, SR    the objectives (default none);  STEPS, KEEP  steps and checkpoints kept
 #   COMPILE=1 adds --compile (torch.compile; off by default: 0.92-0.96x on an H200, README "GPU check")
@@ -17,6 +20,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HOSTFILE="${HOSTFILE:-$REPO/launch/hosts}"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
+VENV="$(dirname "$PYTHON")"
 DEEPSPEED="${DEEPSPEED:-$REPO/.venv/bin/deepspeed}"
 GPU="${GPU:-v100}"
 case "$GPU" in
@@ -25,7 +29,14 @@ case "$GPU" in
   h100|h200) PRECISION=a100_bf16; GPU_ARCH=sm90 ;;
   *) echo "truneg: error: GPU=$GPU: use v100, a100, h100 or h200" >&2; exit 2 ;;
 esac
-"$PYTHON" -m truneg.hostfile "$HOSTFILE"
+# Arrays below expand as ${a[@]+"${a[@]}"}: bash before 4.4 calls an empty "${a[@]}" unbound under set -u.
+hosts=()  # deepspeed's node arguments
+if [ "$HOSTFILE" != local ]; then
+  "$PYTHON" -m truneg.hostfile "$HOSTFILE"
+  hosts=(--hostfile "$HOSTFILE")
+  # each node's shell starts outside the venv: ninja and the venv's tools for the JIT-built optimizers
+  if [ -f "$VENV/activate" ] && [ -f "$VENV/../pyvenv.cfg" ]; then hosts+=(--venv_script "$VENV/activate"); fi
+fi
 OUTPUT="${OUTPUT:-}"
 if [ -z "$OUTPUT" ]; then
   echo "truneg: error: set OUTPUT to this run's folder on storage every node sees, e.g. OUTPUT=/shared/runs/NAME" >&2
@@ -33,8 +44,10 @@ if [ -z "$OUTPUT" ]; then
 fi
 mkdir -p "$OUTPUT"
 OUTPUT="$(cd "$OUTPUT" && pwd)"
-export DS_ENV_FILE="$OUTPUT/deepspeed_env"
-"$PYTHON" -m truneg.hostfile "$HOSTFILE" --env-file "$DS_ENV_FILE"
+if [ "$HOSTFILE" != local ]; then
+  export DS_ENV_FILE="$OUTPUT/deepspeed_env"
+  "$PYTHON" -m truneg.hostfile "$HOSTFILE" --env-file "$DS_ENV_FILE"
+fi
 
 recipe() {  # recipe STEM: the recipe's config for $GPU
   if [ "$PRECISION" = a100_bf16 ]; then echo "$REPO/ds_configs/${1}_${PRECISION}_zero1.json"; else echo "$REPO/ds_configs/${1}_${PRECISION}_zero2.json"; fi
@@ -44,11 +57,11 @@ pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more f
   local model=$1 seq=$2 config=$3 steps=$4 save=$5 log=$6
   shift 6
   local compile=()
-  [ "${COMPILE:-0}" = 1 ] && compile=(--compile)
+  if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile); fi
   launch --model "$model" --seq-len "$seq" --deepspeed_config "${CONFIG:-$config}" \
     --train-data "${DATA:?set DATA to the corpus (a prepared folder, files, a folder or a glob)}" \
     --output-dir "$OUTPUT" --max-steps "${STEPS:-$steps}" --save-steps "$save" --keep-checkpoints "${KEEP:-3}" \
-    --log-steps "$log" --hc "${HC:-none}" --sr "${SR:-none}" "${compile[@]}" "$@"
+    --log-steps "$log" --hc "${HC:-none}" --sr "${SR:-none}" ${compile[@]+"${compile[@]}"} "$@"
 }
 
 continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's continued pre-training at seq 512
@@ -59,8 +72,16 @@ continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's cont
 
 launch() {
   if [ "${PREFLIGHT:-1}" != 0 ]; then
-    "$PYTHON" -m truneg.preflight --hostfile "$HOSTFILE" --gpu-arch "$GPU_ARCH" "$@"
+    local checked=(--gpu-arch "$GPU_ARCH" --hostfile "$HOSTFILE")
+    if [ "$HOSTFILE" = local ]; then checked=(); fi  # this machine's own GPUs, as deepspeed will count them
+    local launcher=pdsh previous= arg
+    for arg in ${LAUNCHER_ARGS:-}; do
+      case "$arg" in --launcher=*) launcher="${arg#--launcher=}" ;; esac
+      if [ "$previous" = --launcher ]; then launcher="$arg"; fi
+      previous="$arg"
+    done
+    "$PYTHON" -m truneg.preflight ${checked[@]+"${checked[@]}"} --launcher "$launcher" "$@"
   fi
   # exec: the launcher's exit status, which is a failed rank's, is this script's.
-  exec "$DEEPSPEED" --hostfile "$HOSTFILE" ${LAUNCHER_ARGS:-} "$REPO/truneg/pretrain.py" "$@"
+  exec "$DEEPSPEED" ${hosts[@]+"${hosts[@]}"} ${LAUNCHER_ARGS:-} "$REPO/truneg/pretrain.py" "$@"
 }

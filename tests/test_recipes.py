@@ -304,12 +304,44 @@ def test_env_file_carries_the_variables_deepspeed_does_not_forward(tmp_path, mon
         write_env_file(tmp_path / "bad", {"HF_HOME": "/my data/hf"}, carry_over=[])
 
 
+def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote_shell_would_mangle(tmp_path):
+    """DeepSpeed forwards NCCL_* only from a launching node with a GPU, exports a carried-over `#NAME=...` line
+    as `export #NAME=...;`, which comments out the rest of each node's command (the launch itself), and puts
+    other values in double quotes, inside which $, ` and \\ still act."""
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    from truneg.hostfile import forwarded_env
+
+    user = tmp_path / ".deepspeed_env"
+    user.write_text("# the cluster's NCCL settings\n#NCCL_DEBUG=INFO\n\nNCCL_SOCKET_IFNAME=^docker0,lo\nEMPTY=\n")
+    shell = {"NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "ib0", "TORCH_NCCL_BLOCKING_WAIT": "1",
+             "CUDA_HOME": "/usr/local/cuda", "HOME": "/home/ann", "SECRET": "x"}
+    path = tmp_path / "deepspeed_env"
+    written = write_env_file(path, {"HF_HOME": "/shared/hf"}, carry_over=[user], forwarded=forwarded_env(shell))
+    # the shell's NCCL settings and CUDA_HOME, the file's lines over them (as in DeepSpeed's runner), no comment
+    assert written == {"CUDA_HOME": "/usr/local/cuda", "NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "^docker0,lo",
+                       "TORCH_NCCL_BLOCKING_WAIT": "1", "EMPTY": "", "HF_HOME": "/shared/hf"}
+    runner = PDSHRunner.__new__(PDSHRunner)
+    runner.exports = {}
+    for line in path.read_text().splitlines(keepends=True):  # as deepspeed/launcher/runner.py reads the file
+        key, val = line.split("=", maxsplit=1)
+        runner.add_export(key, val)
+    assert not any(key.startswith("#") for key in runner.exports)
+    assert runner.exports["NCCL_SOCKET_IFNAME"] == '"^docker0,lo"'  # quoted by DeepSpeed, as it should be
+    (tmp_path / "bad_line").write_text("export NCCL_DEBUG=INFO\n")
+    with pytest.raises(UserError, match=r"bad_line:1: 'export NCCL_DEBUG=INFO' is not `NAME=value`"):
+        write_env_file(tmp_path / "out", {}, carry_over=[tmp_path / "bad_line"])
+    for value in ("$HOME/x", "a`b`", 'a"b', "a b"):
+        with pytest.raises(UserError, match="remote shell"):
+            write_env_file(tmp_path / "out", {"X": value}, carry_over=[])
+
+
 def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path):
     stub = tmp_path / "deepspeed"
     stub.write_text('#!/bin/sh\necho "DS_ENV_FILE=$DS_ENV_FILE"\necho "$@"\n')
     stub.chmod(0o755)
-    env = {**os.environ, "DEEPSPEED": str(stub), "PREFLIGHT": "0", "DATA": str(tmp_path), "HOME": str(tmp_path),
-           "PYTHON": sys.executable}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "TORCH_NCCL_", "CUDA_HOME"))},
+           "DEEPSPEED": str(stub), "PREFLIGHT": "0", "DATA": str(tmp_path), "HOME": str(tmp_path), "PYTHON": sys.executable}
     missing = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], env=env, capture_output=True, text=True)
     assert missing.returncode != 0 and "OUTPUT" in missing.stderr
     out = tmp_path / "runs" / "small"
@@ -340,10 +372,35 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
         assert f"--model {model} --seq-len {seq} --deepspeed_config {REPO}/ds_configs/{config} " in proc.stdout, script
         tail = "--compile --init-from /ckpt --seed 3" if seq == 512 else "--compile --seed 3"
         assert (REPO / "ds_configs" / config).is_file() and proc.stdout.rstrip().endswith(tail), proc.stdout
+    # each node activates the venv (ninja for the JIT builds); HOSTFILE=local: this machine only, no env file
+    assert f"--hostfile {REPO}/launch/hosts --venv_script {Path(sys.executable).parent}/activate " in done.stdout
+    local_out = tmp_path / "runs" / "local"
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")],
+                          env={**env, "OUTPUT": str(local_out), "HOSTFILE": "local"}, capture_output=True, text=True)
+    assert proc.returncode == 0 and "--hostfile" not in proc.stdout and "--venv_script" not in proc.stdout, proc.stderr
+    assert not (local_out / "deepspeed_env").exists()
+    # the preflight is told the launcher LAUNCHER_ARGS picks (pdsh by default), and nothing about hosts with local
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$2" = truneg.preflight ]; then echo "PREFLIGHT $*"; exit 0; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    for extra, expected in (({}, "--launcher pdsh"), ({"LAUNCHER_ARGS": "--launcher openmpi"}, "--launcher openmpi"),
+                            ({"LAUNCHER_ARGS": "--launcher=slurm", "HOSTFILE": "local"}, "--launcher slurm")):
+        proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], capture_output=True, text=True,
+                              env={**env, "OUTPUT": str(out), "PYTHON": str(python), "PREFLIGHT": "1", **extra})
+        preflight_line = next(line for line in proc.stdout.splitlines() if line.startswith("PREFLIGHT"))
+        assert expected in preflight_line, preflight_line
+        assert ("--hostfile" in preflight_line) == ("HOSTFILE" not in extra), preflight_line
 
 
 def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(preflight, "_NODE_LOCAL", ("/tmp/node-local",))  # tmp_path stands for shared storage
+    stubs = tmp_path / "bin"  # DeepSpeed's multi-node launcher needs pdsh (this machine has none)
+    stubs.mkdir()
+    (stubs / "pdsh").write_text("#!/bin/sh\n")
+    (stubs / "pdsh").chmod(0o755)
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", f"{stubs}:{path}")
     out = tmp_path / "shared" / "run"
     argv = ["--hostfile", str(REPO / "launch" / "hosts"), "--gpu-arch", "sm70", "--model", "bert-large",
             "--deepspeed_config", str(REPO / "ds_configs" / "bert_large_v100_fp16_lamb_zero0.json"),
@@ -365,6 +422,17 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 3 and all(line.startswith("truneg: error: ") for line in errors)
     assert "FusedLamb" in errors[0] and "node-local" in errors[1] and "no text files" in errors[2]
+    # over several nodes: no pdsh, and a glob each node's shell would expand on its own (`**` as `*`)
+    monkeypatch.setenv("PATH", path)
+    (tmp_path / "corpus" / "a").mkdir(parents=True)
+    (tmp_path / "corpus" / "a" / "x.txt").write_text("text\n")
+    glob = ["--hostfile", str(REPO / "launch" / "hosts"), "--gpu-arch", "sm70", "--output-dir", str(out),
+            "--train-data", str(tmp_path / "corpus" / "**" / "*.txt")]
+    assert preflight.run(glob) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and "pdsh is not installed" in errors[0] and "is a glob" in errors[1]
+    assert preflight.run([*glob, "--launcher", "openmpi"]) == 2
+    assert capsys.readouterr().err.count("truneg: error:") == 1
     bf16 = ["--gpu-arch", "sm70", "--deepspeed_config", str(REPO / "ds_configs" / "electra_base_a100_bf16_zero3.json"),
             "--output-dir", str(out)]
     assert preflight.run(bf16) == 2 and "only emulates" in capsys.readouterr().err

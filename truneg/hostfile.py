@@ -3,12 +3,13 @@
     python -m truneg.hostfile launch/hosts     # prints the nodes, or one line naming the bad line; exit 2
     python -m truneg.hostfile launch/hosts --env-file OUT/deepspeed_env    # and write the env file
 
-DeepSpeed's pdsh/ssh/MPI runners forward only some variables (NCCL_*, PYTHON*, ...) to the other nodes;
-the rest come from the file `DS_ENV_FILE` names (default `.deepspeed_env` in ~ or the current folder),
-one `NAME=value` a line, read by deepspeed/launcher/runner.py with `line.split("=", 1)`: no comments or
-blank lines, and a value is quoted for the remote shell only when it holds characters outside
-`[\\w@%+=:,./-]`. An absolute DS_ENV_FILE replaces both default places, so the file written here carries
-their lines over first.
+DeepSpeed's pdsh/ssh/MPI runners forward only some variables to the other nodes (PYTHON*, UCX_*, MV2_*,
+and NCCL_* only when the launching node has a GPU); the rest come from the file `DS_ENV_FILE` names
+(default `.deepspeed_env` in ~ or the current folder), one `NAME=value` a line, read by
+deepspeed/launcher/runner.py with `line.split("=", 1)`: no comments or blank lines (a `#NAME=...` line
+would become `export #NAME=...; ...` on each node, a shell comment that swallows the launch), and a value
+is put in double quotes for the remote shell when it holds characters outside `[\\w@%+=:,./-]`. An absolute
+DS_ENV_FILE replaces both default places, so the file written here carries their lines over first.
 """
 from __future__ import annotations
 
@@ -50,7 +51,12 @@ def check_hostfile(path: str | Path) -> dict[str, int]:
     return pool
 
 
-SAFE_VALUE = re.compile(r"^[\w@%+=:,./-]+$")  # what DeepSpeed's runner passes on unquoted
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# DeepSpeed's runner puts a value in double quotes for the remote shell; inside them these still act, and
+# whitespace splits the `cd` and paths of pdsh's command line.
+UNSAFE_VALUE = re.compile(r"[\s\"$`\\]")
+# Forwarded by DeepSpeed only from a launching node with a GPU; the wrappers may launch from one without.
+FORWARDED_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
 
 def launch_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -69,31 +75,44 @@ def launch_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
+def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """This node's NCCL settings (DeepSpeed forwards them only from a node with a GPU, and the wrappers may
+    launch from one without) and CUDA_HOME (nvcc for the fused optimizers' JIT builds on each node)."""
+    environ = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARDED_PREFIXES) or k == "CUDA_HOME"}
+
+
 def _read_env_file(path: Path) -> dict[str, str]:
+    """`NAME=value` lines; blank lines and `#` comments are dropped (DeepSpeed's reader would export them)."""
     values = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if "=" in line:
-            key, value = line.split("=", 1)
-            values[key.strip()] = value.strip()
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not ENV_NAME.match(key.strip()):
+            raise UserError(f"{path}:{number}: {raw!r} is not `NAME=value`; fix it or start it with #")
+        values[key.strip()] = value.strip()
     return values
 
 
-def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Path] | None = None) -> dict[str, str]:
-    """Write `NAME=value` lines DeepSpeed's launcher reads (DS_ENV_FILE); the lines of `carry_over` files
-    (default: ~/.deepspeed_env and ./.deepspeed_env, which an absolute DS_ENV_FILE hides) come first and
-    `values` override them. Returns what was written."""
+def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Path] | None = None,
+                   forwarded: dict[str, str] | None = None) -> dict[str, str]:
+    """Write `NAME=value` lines DeepSpeed's launcher reads (DS_ENV_FILE): `forwarded` (this shell's), then the
+    lines of `carry_over` files (default: ~/.deepspeed_env and ./.deepspeed_env, which an absolute DS_ENV_FILE
+    hides), which override them as in DeepSpeed's runner, then `values` over both. Returns what was written."""
     path = Path(path)
     if carry_over is None:
         carry_over = [Path.home() / ".deepspeed_env", Path.cwd() / ".deepspeed_env"]
-    merged: dict[str, str] = {}
+    merged: dict[str, str] = dict(forwarded or {})
     for extra in carry_over:
         if extra.is_file() and extra.resolve() != path.resolve():
             merged.update(_read_env_file(extra))
     merged.update(values)
     for key, value in merged.items():
-        if not SAFE_VALUE.match(value):
-            raise UserError(f"{key}={value!r} holds characters DeepSpeed's launcher would quote for the remote "
-                            "shell (spaces, $, quotes...); choose a path of letters, digits and ._-/ only")
+        if UNSAFE_VALUE.search(value):
+            raise UserError(f"{key}={value!r} holds a space, quote, $, ` or \\, which the remote shell of DeepSpeed's "
+                            "launcher would split or expand; choose a value without them")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(f"{key}={value}\n" for key, value in merged.items()), encoding="utf-8")
@@ -110,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     pool = check_hostfile(args.hostfile)
     if args.env_file:
-        written = write_env_file(args.env_file, launch_env())
+        written = write_env_file(args.env_file, launch_env(), forwarded=forwarded_env())
         print(f"{args.env_file}: " + " ".join(f"{k}={v}" for k, v in written.items()))
     else:
         print(f"{args.hostfile}: {len(pool)} nodes, {sum(pool.values())} slots: " + ", ".join(f"{h}={s}" for h, s in pool.items()))

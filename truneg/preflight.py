@@ -202,6 +202,23 @@ def _check_corpus(train_data: list[str]) -> list[str]:
     return []
 
 
+def check_multi_node_launch(train_data: list[str], launcher: str) -> list[str]:
+    """What only a launch over several nodes trips on: DeepSpeed's default launcher needs pdsh (there is no
+    ssh fallback), and it hands each argument without a space unquoted to every node's shell, which expands a
+    glob itself (bash's `**` is `*`: fewer files than this node's Python finds)."""
+    import shutil
+
+    problems = []
+    if launcher == "pdsh" and shutil.which("pdsh") is None:
+        problems.append("pdsh is not installed here, and DeepSpeed's launcher starts the other nodes through it: "
+                        "install pdsh (apt/dnf install pdsh), or launch with --launcher openmpi|slurm|mvapich")
+    for spec in train_data:
+        if any(c in str(spec) for c in "*?["):
+            problems.append(f"--train-data {spec} is a glob, which each node's shell expands on its own (`**` as "
+                            "`*`); pass its folder, or prepare the corpus first (truneg prepare) and pass that")
+    return problems
+
+
 def check_start(args: argparse.Namespace, config: dict, world_size: int, capability=_LOCAL,
                 nodes: int = 1) -> list[str]:
     """Every problem that would stop (or silently spoil) the run, one line each; [] when it can start.
@@ -292,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-arch", choices=sorted(GPU_ARCHS),
                         help="the nodes' GPU generation, when this machine has none (sm70 V100, sm80 A100, sm90 H100/H200)")
     parser.add_argument("--check-ssh", action="store_true", help="also reach every node of the hostfile over ssh")
+    parser.add_argument("--launcher", default="pdsh", help="DeepSpeed's multi-node launcher, as given to it (default pdsh)")
     return parser
 
 
@@ -333,6 +351,8 @@ def run(argv: list[str] | None = None) -> int:
         problems.append(str(err))
     if config is not None:
         problems += check_start(args, config, world_size, capability, nodes=max(len(hosts), 1))
+    if len(hosts) > 1:
+        problems += check_multi_node_launch(args.train_data, args.launcher)
     if args.check_ssh and hosts:
         problems += check_ssh(list(hosts))
     if problems:
