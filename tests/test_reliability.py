@@ -230,14 +230,16 @@ def test_resume_on_another_world_size_two_to_one_and_back(runs, tmp_path, launch
     shutil.copytree(reference_dir, out)
     (out / "metrics.jsonl").unlink()
     (out / "checkpoints" / "latest").write_text("global_step8")
-    for tag in ("global_step16", "global_step24"):
-        shutil.rmtree(out / "checkpoints" / tag)
+    shutil.rmtree(out / "checkpoints" / "global_step16")  # global_step24 stays: the 2-rank save of a lost timeline
     args = train_args("bert-deterministic", out, small_corpus)
     # 1 rank: the same global batch of 8 through 2 accumulation steps
     one = run(deepspeed_cmd(*args, "--gradient-accumulation-steps", "2", num_gpus=1, port=free_port()), launch_env)
     assert "written by 2 ranks; loading its universal form on 1" in one.stdout
     close_losses(read_metrics(out), reference, 8)
     assert [r["step"] for r in read_metrics(out)] == list(range(9, MAX_STEPS + 1))
+    # global_step24 written again, by 1 rank: none of the 2-rank save's shards is left to mix with it
+    assert len(list((out / "checkpoints" / "global_step24").glob("*optim_states.pt"))) == 1
+    assert not list((out / "checkpoints").glob("*.deleting"))
     # ... and back to 2 ranks from the 1-rank checkpoint of step 16
     (out / "checkpoints" / "latest").write_text("global_step16")
     two = run(deepspeed_cmd(*args, port=free_port()), launch_env)

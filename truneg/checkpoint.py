@@ -132,6 +132,12 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state
     """A collective: every rank calls it. Returns the tag."""
     tag = tag_for_step(step)
     rank = dist.get_rank()
+    if rank == 0:
+        # A folder of this tag is left from a save that was cut, or from a timeline that --resume rolled back:
+        # shards of another world size, or a universal form of other weights, must not mix with this save.
+        for folder in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag)):
+            _remove(folder)
+    dist.barrier()
     path = _rank_file(checkpoint_dir, tag, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state, path)
@@ -161,11 +167,16 @@ def remove_old(checkpoint_dir: Path, keep: int) -> list[str]:
     removed = [t for t in tags[:-keep] if t != latest]
     for tag in removed:
         for folder in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag)):
-            if folder.is_dir():
-                doomed = folder.with_name(folder.name + DELETING_SUFFIX)
-                folder.rename(doomed)
-                shutil.rmtree(doomed)
+            _remove(folder)
     return removed
+
+
+def _remove(folder: Path) -> None:
+    """Renamed first (atomic), then deleted: a kill half-way leaves a `*.deleting` folder, never half a tag."""
+    if folder.is_dir():
+        doomed = folder.with_name(folder.name + DELETING_SUFFIX)
+        folder.rename(doomed)
+        shutil.rmtree(doomed)
 
 
 def load(engine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
