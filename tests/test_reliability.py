@@ -154,6 +154,24 @@ def test_non_finite_losses_skip_their_step_then_stop_the_run(tmp_path, launch_en
     assert records[4]["loss"] < records[1]["loss"] + 1.0
 
 
+def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path, launch_env, small_corpus):
+    """Rank 0 alone completes a checkpoint (META, `latest`); when that fails (here `latest.tmp` is a folder, as
+    a full disk would fail it), the other ranks learn it from the same all-reduce and stop too, where across
+    nodes they would wait in their next collective until the timeout. `latest` still names the last good tag."""
+    reference_dir, _ = runs("bert-zero2")
+    out = tmp_path / "run"
+    shutil.copytree(reference_dir, out)
+    (out / "checkpoints" / "latest").write_text("global_step16")
+    shutil.rmtree(out / "checkpoints" / "global_step24")
+    (out / "checkpoints" / "latest.tmp").mkdir()
+    proc = run(deepspeed_cmd(*train_args("bert-zero2", out, small_corpus), port=free_port()), launch_env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "truneg: error:" in line]
+    assert any(f"cannot complete {out / 'checkpoints' / 'global_step24'}: [Errno 21]" in line for line in errors), errors
+    assert any("rank 0 could not complete" in line and "every rank stopped" in line for line in errors), errors
+    assert "Traceback" not in proc.stderr and (out / "checkpoints" / "latest").read_text() == "global_step16"
+
+
 def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, launch_env, small_corpus):
     """SIGTERM, then SIGINT on the resumed run (what schedulers and Ctrl-C send), then a run to the end: one
     chain of launches, each stop checkpointed at the next step and the whole equal to the uninterrupted run."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from truneg.distributed import on_rank_zero
 from truneg.errors import UserError
 
 UNIVERSAL_INFO = {"universal_checkpoint_version": 0.2}
@@ -132,26 +133,28 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state
     """A collective: every rank calls it. Returns the tag."""
     tag = tag_for_step(step)
     rank = dist.get_rank()
-    if rank == 0:
-        # A folder of this tag is left from a save that was cut, or from a timeline that --resume rolled back:
-        # shards of another world size, or a universal form of other weights, must not mix with this save.
-        for folder in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag)):
-            _remove(folder)
-    dist.barrier()
+    # A folder of this tag is left from a save that was cut, or from a timeline that --resume rolled back:
+    # shards of another world size, or a universal form of other weights, must not mix with this save.
+    on_rank_zero(lambda: [_remove(f) for f in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag))],
+                 f"clear the old {checkpoint_dir / tag}")
     path = _rank_file(checkpoint_dir, tag, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state, path)
     state = {**client_state, "universal_checkpoint_info": UNIVERSAL_INFO}
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
     dist.barrier()
-    if rank == 0:
-        meta = {"step": step, "world_size": dist.get_world_size()}
-        (checkpoint_dir / tag / META_FILE).write_text(json.dumps(meta) + "\n", encoding="utf-8")
-        tmp = checkpoint_dir / "latest.tmp"
-        tmp.write_text(tag, encoding="utf-8")
-        os.replace(tmp, checkpoint_dir / "latest")  # atomic: `latest` names a complete checkpoint or the old one
-    dist.barrier()
+    on_rank_zero(lambda: _commit(checkpoint_dir, tag, step, dist.get_world_size()), f"complete {checkpoint_dir / tag}")
     return tag
+
+
+def _commit(checkpoint_dir: Path, tag: str, step: int, world_size: int) -> None:
+    """After every rank wrote its part: the tag's META, then `latest` (atomic: it names a complete checkpoint
+    or the old one)."""
+    meta = {"step": step, "world_size": world_size}
+    (checkpoint_dir / tag / META_FILE).write_text(json.dumps(meta) + "\n", encoding="utf-8")
+    tmp = checkpoint_dir / "latest.tmp"
+    tmp.write_text(tag, encoding="utf-8")
+    os.replace(tmp, checkpoint_dir / "latest")
 
 
 def remove_old(checkpoint_dir: Path, keep: int) -> list[str]:
@@ -243,16 +246,18 @@ def find_resume_point(resume: str, output_dir: Path) -> ResumePoint | None:
     return ResumePoint(checkpoint_dir, tag, saved_world_size(checkpoint_dir, tag))
 
 
-def prepare_universal(point: ResumePoint, world_size: int, rank: int) -> str:
+def prepare_universal(point: ResumePoint, world_size: int) -> str:
     """The tag to load: the checkpoint's own, or its universal form on another world size (converted once,
     on rank 0, by DeepSpeed's ds_to_universal; a collective)."""
     if not point.universal(world_size):
         return point.tag
-    if rank == 0:
+
+    def convert() -> None:
         convert_to_universal(point.checkpoint_dir, point.tag)
         print(f"truneg: {point.tag} was written by {point.saved_world_size} ranks; loading its universal form on "
               f"{world_size}", flush=True)
-    dist.barrier()
+
+    on_rank_zero(convert, f"convert {point.checkpoint_dir / point.tag} to a universal checkpoint")
     return universal_tag(point.tag)
 
 

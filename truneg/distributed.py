@@ -7,6 +7,7 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,29 @@ def init_distributed() -> tuple[int, int]:
     else:
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def on_rank_zero(action: Callable[[], object], what: str) -> None:
+    """A collective: `action` runs on rank 0 alone, then one all-reduce (also the barrier after it) tells every
+    rank whether it worked. A failure there (a full disk, a conversion that fails) stops every rank with one
+    line, where the other ranks would wait in their next collective until the timeout (10 minutes) on other
+    nodes: on one node the launcher kills them, across nodes nothing does."""
+    from deepspeed.accelerator import get_accelerator
+
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except (UserError, OSError) as err:
+            error = err
+    failed = torch.tensor([0 if error is None else 1], device=get_accelerator().current_device_name())
+    dist.all_reduce(failed)
+    if isinstance(error, UserError):
+        raise error
+    if error is not None:
+        raise UserError(f"cannot {what}: {error}")
+    if failed.item():
+        raise UserError(f"rank 0 could not {what} (its own line says why); every rank stopped")
 
 
 def shutdown() -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from truneg import checkpoint
 from truneg.data import ResumableSampler
-from truneg.distributed import seed
+from truneg.distributed import on_rank_zero, seed
 from truneg.errors import UserError
 from truneg.masking import MaskedBatches
 from truneg.metrics import MetricsLogger
@@ -43,8 +43,9 @@ class TrainState:
         client_state = {"step": step, "sampler": self.batches.position, "world_size": self.world_size}
         rank_state = {"rng": checkpoint.rng_state(), "metrics": self.metrics.state_dict()}
         checkpoint.save(engine, cfg.checkpoint_dir, step, client_state, rank_state)
-        if self.rank == 0 and cfg.keep_checkpoints > 0:
-            checkpoint.remove_old(cfg.checkpoint_dir, cfg.keep_checkpoints)
+        if cfg.keep_checkpoints > 0:
+            on_rank_zero(lambda: checkpoint.remove_old(cfg.checkpoint_dir, cfg.keep_checkpoints),
+                         f"remove old checkpoints in {cfg.checkpoint_dir}")
 
 
 def start_state(cfg: RunConfig, engine, blocks, tokenizer, resume: checkpoint.ResumePoint | None, tag: str | None) -> TrainState:

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                                                            "synonym_table": build.table_fingerprint(start.table),
                                                            **data_record})
     run_dir.claim_output_dir(cfg, identity, rank)
-    tag = checkpoint.prepare_universal(start.resume, world_size, rank) if start.resume else None
+    tag = checkpoint.prepare_universal(start.resume, world_size) if start.resume else None
 
     # 5. The DeepSpeed engine (ZeRO, precision, optimizer and scheduler from the config).
     engine = build.build_engine(cfg, model, start.ds_config)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from truneg.distributed import on_rank_zero
 from truneg.errors import UserError
 from truneg.run_config import RunConfig
 
@@ -77,7 +78,8 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
         print(f"truneg: warning: {run_file} predates the fields {', '.join(missing)}; resuming it as the same run",
               flush=True)
     dist.barrier()  # every rank has read run.json before rank 0 rewrites it
-    if rank == 0:
+
+    def record() -> None:
         if cfg.overwrite:
             for name in ("checkpoints", "tensorboard", "csv"):
                 shutil.rmtree(out / name, ignore_errors=True)
@@ -86,7 +88,8 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
         tmp = run_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
         tmp.replace(run_file)
-    dist.barrier()
+
+    on_rank_zero(record, f"record this run in {run_file}")
 
 
 def check_shared_output_dir(output_dir: Path, rank: int, world_size: int) -> None:
