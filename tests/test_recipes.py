@@ -161,6 +161,30 @@ def test_optimizer_and_zero_stage_agree_with_deepspeed_for_every_shipped_config(
     assert _deepspeed_verdict(untested)[1] is None and "per shard" in preflight.check_optimizer(untested)
 
 
+def test_the_stale_lock_check_knows_the_fused_optimizer_of_every_gpu_recipe(tmp_path, monkeypatch):
+    """Each node builds FusedAdam / FusedLamb on first use and loads them under torch's lock file; a process
+    killed then leaves the lock, and every later start on that node would wait on it without a word. The check
+    must look where DeepSpeed's builder of each shipped recipe's optimizer builds."""
+    import time
+
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builders (this CPU has stubs)
+    from deepspeed.ops.op_builder.fused_lamb import FusedLambBuilder
+
+    from truneg.build import JIT_OPTIMIZER_OPS
+    from truneg.distributed import refuse_stale_build_lock
+
+    assert JIT_OPTIMIZER_OPS == {"FusedAdam": FusedAdamBuilder.NAME, "FusedLamb": FusedLambBuilder.NAME}
+    assert {preflight.deepspeed_optimizer(_raw(p))[0] for p in GPU_CONFIGS} == set(JIT_OPTIMIZER_OPS)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "fused_lamb" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    refuse_stale_build_lock("fused_lamb")  # a build may be running: a young lock is waited on
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    with pytest.raises(UserError, match="fused_lamb op; delete it if no build is running"):
+        refuse_stale_build_lock("fused_lamb")
+
+
 def test_bf16_accumulates_in_fp32_under_zero_and_the_lamb_recipe_stays_fp16():
     for path in CONFIGS:
         config, choices = dsc.resolve(path, 1, 1000, Path("/tmp/unused"))

@@ -39,6 +39,10 @@ class Start:
     resume: checkpoint.ResumePoint | None
 
 
+# DeepSpeed's fused optimizers, built just in time (and loaded under a lock) by the op of this name.
+JIT_OPTIMIZER_OPS = {"FusedAdam": "fused_adam", "FusedLamb": "fused_lamb"}
+
+
 def check_start(cfg: RunConfig, world_size: int) -> Start:
     """Everything that needs no process group, before `deepspeed.init_distributed`: the DeepSpeed config for
     this world size, the resume point, the tokenizer, the synonym table, and the corpus (prepared here on
@@ -48,6 +52,7 @@ def check_start(cfg: RunConfig, world_size: int) -> Start:
 
     from truneg.data import ensure_prepared, load_tokenizer
     from truneg.distributed import plain_cuda_arch_list, refuse_stale_build_lock
+    from truneg.preflight import deepspeed_optimizer
 
     if get_accelerator().device_name() == "cpu":
         refuse_stale_build_lock("deepspeed_shm_comm")  # gloo ranks load DeepSpeed's CPU comm op
@@ -56,6 +61,9 @@ def check_start(cfg: RunConfig, world_size: int) -> Start:
     fresh = cfg.resume == "none" or cfg.overwrite
     resume = None if fresh else checkpoint.find_resume_point(cfg.resume, cfg.output_dir)
     ds_config = deepspeed_config(cfg, world_size, load_universal=bool(resume and resume.universal(world_size)))
+    jit_op = JIT_OPTIMIZER_OPS.get(deepspeed_optimizer(ds_config)[0])
+    if jit_op and get_accelerator().device_name() != "cpu":
+        refuse_stale_build_lock(jit_op)  # built on each node on first use, in its node-local folder
     tokenizer = load_tokenizer(cfg.tokenizer)
     table = synonym_table(cfg, tokenizer)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
