@@ -49,6 +49,11 @@ if [ "$HOSTFILE" != local ]; then
   "$PYTHON" -m truneg.hostfile "$HOSTFILE" --env-file "$DS_ENV_FILE"
 fi
 
+absolute() {  # a path as seen from here, for every node (DeepSpeed's runner cds to this folder there, and
+  # carries on from the home folder where it does not exist); hf:NAME specs stay
+  case "$1" in /*|hf:*) echo "$1" ;; *) echo "$PWD/$1" ;; esac
+}
+
 recipe() {  # recipe STEM: the recipe's config for $GPU
   if [ "$PRECISION" = a100_bf16 ]; then echo "$REPO/ds_configs/${1}_${PRECISION}_zero1.json"; else echo "$REPO/ds_configs/${1}_${PRECISION}_zero2.json"; fi
 }
@@ -56,18 +61,21 @@ recipe() {  # recipe STEM: the recipe's config for $GPU
 pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's run
   local model=$1 seq=$2 config=$3 steps=$4 save=$5 log=$6
   shift 6
-  local compile=()
+  : "${DATA:?set DATA to the corpus (a prepared folder, files, a folder or a glob)}"
+  local compile=() hc="${HC:-none}"
   if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile); fi
-  launch --model "$model" --seq-len "$seq" --deepspeed_config "${CONFIG:-$config}" \
-    --train-data "${DATA:?set DATA to the corpus (a prepared folder, files, a folder or a glob)}" \
+  case "$hc" in none|wordnet|embedding) ;; *) hc="$(absolute "$hc")" ;; esac  # or a table file
+  launch --model "$model" --seq-len "$seq" --deepspeed_config "$(absolute "${CONFIG:-$config}")" \
+    --train-data "$(absolute "$DATA")" \
     --output-dir "$OUTPUT" --max-steps "${STEPS:-$steps}" --save-steps "$save" --keep-checkpoints "${KEEP:-3}" \
-    --log-steps "$log" --hc "${HC:-none}" --sr "${SR:-none}" ${compile[@]+"${compile[@]}"} "$@"
+    --log-steps "$log" --hc "$hc" --sr "${SR:-none}" ${compile[@]+"${compile[@]}"} "$@"
 }
 
 continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's continued pre-training at seq 512
   local model=$1 stem=$2 hint=$3
   shift 3
-  pretrain "$model" 512 "$(recipe "$stem")" 200000 5000 100 --init-from "${INIT:?set INIT to $hint}" "$@"
+  : "${INIT:?set INIT to $hint}"
+  pretrain "$model" 512 "$(recipe "$stem")" 200000 5000 100 --init-from "$(absolute "$INIT")" "$@"
 }
 
 launch() {

@@ -403,6 +403,10 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
                           env={**env, "OUTPUT": str(local_out), "HOSTFILE": "local"}, capture_output=True, text=True)
     assert proc.returncode == 0 and "--hostfile" not in proc.stdout and "--venv_script" not in proc.stdout, proc.stderr
     assert not (local_out / "deepspeed_env").exists()
+    # relative paths become absolute: each node's shell starts where this one is, or in its home folder
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "OUTPUT": str(out), "DATA": "corpus", "HC": "my.npz", "SR": "word"})
+    assert f"--train-data {tmp_path}/corpus " in proc.stdout and f"--hc {tmp_path}/my.npz --sr word" in proc.stdout
     # the preflight is told the launcher LAUNCHER_ARGS picks (pdsh by default), and nothing about hosts with local
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nif [ "$2" = truneg.preflight ]; then echo "PREFLIGHT $*"; exit 0; fi\n'
