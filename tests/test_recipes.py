@@ -464,3 +464,11 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     bf16 = ["--gpu-arch", "sm70", "--deepspeed_config", str(REPO / "ds_configs" / "electra_base_a100_bf16_zero3.json"),
             "--output-dir", str(out)]
     assert preflight.run(bf16) == 2 and "only emulates" in capsys.readouterr().err
+    # GPU=v100 (the scripts' default) on an H100 node: said as such, first, not as a torch build without sm_70
+    monkeypatch.setattr(preflight.ds_config, "local_capability", lambda: (9, 0))
+    v100 = ["--gpu-arch", "sm70", "--deepspeed_config", str(REPO / "ds_configs" / "bert_large_v100_fp16_zero2.json"),
+            "--output-dir", str(out)]
+    assert preflight.run(v100) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert "--gpu-arch sm70 (the launch scripts' GPU=...) but this node's GPU is sm_90: set GPU" in first, first
+    assert preflight.run(["--gpu-arch", "sm90", *v100[2:]]) == 0  # the same run, told the right GPU

@@ -326,7 +326,13 @@ def run(argv: list[str] | None = None) -> int:
             hosts = check_hostfile(args.hostfile)
         except UserError as err:
             problems.append(str(err))
-    capability = GPU_ARCHS[args.gpu_arch] if args.gpu_arch else ds_config.local_capability()
+    local = ds_config.local_capability()
+    capability = GPU_ARCHS[args.gpu_arch] if args.gpu_arch else local
+    if args.gpu_arch and local is not None and local[0] != capability[0]:
+        # the wrappers pass GPU=v100 by default: a forgotten GPU=h100 would otherwise read as a torch-build problem
+        problems.append(f"--gpu-arch {args.gpu_arch} (the launch scripts' GPU=...) but this node's GPU is sm_{local[0]}"
+                        f"{local[1]}: set GPU to this cluster's GPUs (v100, a100, h100, h200), or run the preflight "
+                        "where they are")
     if hosts:
         world_size = sum(hosts.values())
     else:
