@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -78,7 +79,11 @@ def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):
     exported = tmp_path / "hf"
     assert cli_in_process("export", str(run_dir / "checkpoints"), str(exported)).returncode == 0
     out = tmp_path / "fn"
-    proc = cli_in_process("fn-stats", "--checkpoints", str(run_dir / "checkpoints"), str(exported), "--data", str(small_corpus),
+    checkpoints = tmp_path / "checkpoints"  # as a running job's folder: a save in progress is not read
+    shutil.copytree(run_dir / "checkpoints", checkpoints)
+    (checkpoints / "global_step32").mkdir()
+    (checkpoints / "global_step32" / "truneg_rank00000.pt").write_bytes(b"")
+    proc = cli_in_process("fn-stats", "--checkpoints", str(checkpoints), str(exported), "--data", str(small_corpus),
                       "--seq-len", "64", "--max-sequences", "96", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "fn_stats.csv", newline="") as fh:

@@ -159,7 +159,7 @@ def discover_checkpoints(paths: list[str | Path]) -> list[CheckpointRef]:
             except UserError:
                 raise UserError(f"{path} is neither a truneg checkpoints folder, a tag in one, nor an HF model folder "
                                 "(config.json); pass one of those") from None
-            tags = [tag] if tag else checkpoint.list_tags(folder)
+            tags = [tag] if tag else checkpoint.complete_tags(folder)
             found.extend(CheckpointRef(f"{folder}/{t}", checkpoint.step_of_tag(t), folder / t, "truneg") for t in tags)
     return found
 

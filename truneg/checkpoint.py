@@ -60,6 +60,12 @@ def list_tags(checkpoint_dir: Path) -> list[str]:
     return sorted(tags, key=step_of_tag)
 
 
+def complete_tags(checkpoint_dir: Path) -> list[str]:
+    """The tags whose save finished on every rank (META is written after that), oldest first: a running job's
+    folder also holds a save in progress, or one that was cut."""
+    return [t for t in list_tags(checkpoint_dir) if (checkpoint_dir / t / META_FILE).is_file()]
+
+
 def resolve(path: str | Path) -> tuple[Path, str | None]:
     """A run's output folder, its checkpoints folder, or one tag folder -> (checkpoints folder, tag or None)."""
     path = Path(path)
