@@ -1,7 +1,9 @@
 """The training metrics' accumulator, in-process: its sums against plain Python floats, across a save and a
-load, and a constant number of ops per micro-step however many stats a model reports."""
+load, a constant number of ops per micro-step however many stats a model reports, and the records a resume
+drops."""
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -82,3 +84,12 @@ def test_a_micro_step_costs_the_same_few_ops_however_many_stats(tmp_path):
             metrics.add(stats, loss, finite, samples=4)
         counts.append(sum(counter.ops.values()))
     assert counts[0] == counts[1] <= 8, counts  # 4 per stat before: 58 for ELECTRA's 12 stats
+
+
+def test_a_resume_drops_the_records_after_its_checkpoint_and_a_line_a_kill_cut_short(tmp_path):
+    """Rank 0 rewrites metrics.jsonl on resume; a torn last line (kill -9 during the append) must not stop it."""
+    metrics = logger(tmp_path)
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)] + ['{"step": 5, "lo']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    metrics.truncate_after(2)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:2]

@@ -15,6 +15,14 @@ import torch
 import torch.distributed as dist
 
 
+def _step_of(line: str) -> float:
+    """A record's step; a line a kill cut short (it was being written after the checkpoint) counts as later."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsLogger:
     def __init__(self, engine, output_dir: Path, seq_len: int, rank: int):
         self.engine, self.seq_len, self.rank = engine, seq_len, rank
@@ -124,7 +132,7 @@ class MetricsLogger:
         """On resume from `step`: drop the records the interrupted run wrote after it (rank 0)."""
         if self.rank != 0 or not self.jsonl.is_file():
             return
-        kept = [line for line in self.jsonl.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] <= step]
+        kept = [line for line in self.jsonl.read_text(encoding="utf-8").splitlines() if _step_of(line) <= step]
         tmp = self.jsonl.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         tmp.replace(self.jsonl)
