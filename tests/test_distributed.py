@@ -15,7 +15,8 @@ from truneg import distributed
 from truneg.errors import UserError
 
 LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} | {
-    name for names in distributed.MPI_LAUNCHER_VARS for name in names} | {"SLURM_NTASKS"}
+    name for names in distributed.MPI_LAUNCHER_VARS for name in names} | {
+    "SLURM_NTASKS", "SLURM_PTY_PORT", *distributed.LOCAL_RANK_FALLBACKS}
 
 
 @pytest.fixture
@@ -42,6 +43,11 @@ def _ranks() -> tuple[str | None, ...]:
     ({"SLURM_STEP_NUM_TASKS": "32", "SLURM_NTASKS": "32", "SLURM_PROCID": "17", "SLURM_LOCALID": "1"}, ("17", "32", "1")),
     # an sbatch script itself: SLURM_PROCID=0 and the allocation's SLURM_NTASKS, but one process
     ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, ("0", "1", "0")),
+    # srun --mpi=pmi2: PMI_RANK and PMI_SIZE, no MPI_LOCALRANKID; the local rank is srun's
+    ({"PMI_SIZE": "16", "PMI_RANK": "11", "SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3"},
+     ("11", "16", "3")),
+    # the shell of `srun --pty bash` inherits the step's variables, and is one process
+    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_PTY_PORT": "4321"}, ("0", "1", "0")),
     # a launcher that sets RANK (DeepSpeed's pdsh runner, torchrun) is taken as is, MPI variables or not
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"},
      ("1", "2", "1")),

@@ -167,9 +167,31 @@ def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path
     proc = run(deepspeed_cmd(*train_args("bert-zero2", out, small_corpus), port=free_port()), launch_env, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "truneg: error:" in line]
-    assert any(f"cannot complete {out / 'checkpoints' / 'global_step24'}: [Errno 21]" in line for line in errors), errors
+    assert any(f"cannot complete {out / 'checkpoints' / 'global_step24'}: IsADirectoryError: [Errno 21]" in line for line in errors), errors
     assert any("rank 0 could not complete" in line and "every rank stopped" in line for line in errors), errors
     assert "Traceback" not in proc.stderr and (out / "checkpoints" / "latest").read_text() == "global_step16"
+
+
+def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path):
+    """--resume of an older tag rolls the run back; its next save of the newer step clears the old folder (and a
+    leftover of a kill during an earlier removal), but `latest` goes back to the newest complete tag first, so a
+    kill during that save still leaves a checkpoint to resume from."""
+    from truneg import checkpoint
+
+    folder = tmp_path / "checkpoints"
+    for step in (100, 200):
+        (folder / f"global_step{step}").mkdir(parents=True)
+        (folder / f"global_step{step}" / checkpoint.META_FILE).write_text("{}")
+    (folder / "global_step300").mkdir()  # a save that was cut: no META
+    (folder / "global_step200.deleting").mkdir()
+    (folder / "latest").write_text("global_step300")
+    checkpoint._clear(folder, "global_step300")
+    assert checkpoint.latest_tag(folder) == "global_step200" and not (folder / "global_step300").exists()
+    checkpoint._clear(folder, "global_step200")
+    assert checkpoint.latest_tag(folder) == "global_step100"
+    assert sorted(p.name for p in folder.iterdir()) == ["global_step100", "latest"]
+    checkpoint._clear(folder, "global_step100")
+    assert not (folder / "latest").exists() and not list(folder.iterdir())  # a fresh start, not a dangling name
 
 
 def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, launch_env, small_corpus):

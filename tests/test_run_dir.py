@@ -45,3 +45,22 @@ def test_a_rebuilt_synonym_table_is_another_run_and_an_older_record_resumes_with
     (tmp_path / RUN_FILE).write_text(json.dumps(older))
     with pytest.raises(UserError, match="holds another run's checkpoints"):
         claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)
+
+
+def test_a_relative_and_an_absolute_path_to_the_same_init_or_table_are_the_same_run(tmp_path, monkeypatch):
+    """The launch scripts make INIT and HC absolute; a run started by hand with relative ones resumes through them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    out = tmp_path / "run"
+
+    def cfg(init: str, hc: str) -> RunConfig:
+        return RunConfig.from_args(parse_args(["--model", "bert-tiny", "--init-from", init, "--hc", hc,
+                                               "--output-dir", str(out)]))
+
+    claim_output_dir(cfg("ckpt", "my.npz"), identity(cfg("ckpt", "my.npz"), "t"), rank=0)
+    (out / "checkpoints" / "global_step5").mkdir(parents=True)
+    absolute = cfg(str(tmp_path / "ckpt"), str(tmp_path / "my.npz"))
+    claim_output_dir(absolute, identity(absolute, "t"), rank=0)
+    other = cfg(str(tmp_path / "other"), str(tmp_path / "my.npz"))
+    with pytest.raises(UserError, match="holds another run's checkpoints"):
+        claim_output_dir(other, identity(other, "t"), rank=0)

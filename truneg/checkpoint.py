@@ -139,10 +139,7 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state
     """A collective: every rank calls it. Returns the tag."""
     tag = tag_for_step(step)
     rank = dist.get_rank()
-    # A folder of this tag is left from a save that was cut, or from a timeline that --resume rolled back:
-    # shards of another world size, or a universal form of other weights, must not mix with this save.
-    on_rank_zero(lambda: [_remove(f) for f in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag))],
-                 f"clear the old {checkpoint_dir / tag}")
+    on_rank_zero(lambda: _clear(checkpoint_dir, tag), f"clear the old {checkpoint_dir / tag}")
     path = _rank_file(checkpoint_dir, tag, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state, path)
@@ -153,14 +150,33 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state
     return tag
 
 
+def _clear(checkpoint_dir: Path, tag: str) -> None:
+    """A folder of this tag is left from a save that was cut, or from a timeline that --resume rolled back:
+    shards of another world size, or a universal form of other weights, must not mix with this save. If
+    `latest` names it (the rolled-back case), `latest` first goes back to the newest complete tag before it,
+    so that a kill during this save leaves a checkpoint to resume from."""
+    if latest_tag(checkpoint_dir) == tag:
+        earlier = [t for t in complete_tags(checkpoint_dir) if step_of_tag(t) < step_of_tag(tag)]
+        if earlier:
+            _point_latest(checkpoint_dir, earlier[-1])
+        else:
+            (checkpoint_dir / "latest").unlink()
+    for folder in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag)):
+        _remove(folder)
+
+
+def _point_latest(checkpoint_dir: Path, tag: str) -> None:
+    tmp = checkpoint_dir / "latest.tmp"
+    tmp.write_text(tag, encoding="utf-8")
+    os.replace(tmp, checkpoint_dir / "latest")  # atomic: `latest` names a complete checkpoint or the old one
+
+
 def _commit(checkpoint_dir: Path, tag: str, step: int, world_size: int) -> None:
     """After every rank wrote its part: the tag's META, then `latest` (atomic: it names a complete checkpoint
     or the old one)."""
     meta = {"step": step, "world_size": world_size}
     (checkpoint_dir / tag / META_FILE).write_text(json.dumps(meta) + "\n", encoding="utf-8")
-    tmp = checkpoint_dir / "latest.tmp"
-    tmp.write_text(tag, encoding="utf-8")
-    os.replace(tmp, checkpoint_dir / "latest")
+    _point_latest(checkpoint_dir, tag)
 
 
 def remove_old(checkpoint_dir: Path, keep: int) -> list[str]:
@@ -184,6 +200,7 @@ def _remove(folder: Path) -> None:
     """Renamed first (atomic), then deleted: a kill half-way leaves a `*.deleting` folder, never half a tag."""
     if folder.is_dir():
         doomed = folder.with_name(folder.name + DELETING_SUFFIX)
+        shutil.rmtree(doomed, ignore_errors=True)  # a leftover of a kill during an earlier removal
         folder.rename(doomed)
         shutil.rmtree(doomed)
 
@@ -279,10 +296,11 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
-        if not any((checkpoint_dir / tag).glob("*optim_states.pt")):  # ZeRO-0
-            module = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                                weights_only=False)["module"]
-            return {name: value.float() for name, value in module.items()}
+        states = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                            weights_only=False)
+        if (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0) == 0:
+            return {name: value.float() for name, value in states["module"].items()}
+        del states
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None

@@ -31,15 +31,20 @@ def _free_port() -> int:
 MPI_LAUNCHER_VARS = (
     ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),  # Open MPI
     ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK"),  # MVAPICH2
-    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID"),  # MPICH and Intel MPI (hydra)
+    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID"),  # MPICH and Intel MPI (hydra); srun --mpi=pmi2
     ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID"),  # srun
 )
+# Where the launcher's own local-rank variable is missing (srun's PMI2 plugin sets PMI_RANK but not
+# MPI_LOCALRANKID), the first of these that is set.
+LOCAL_RANK_FALLBACKS = ("SLURM_LOCALID", "PMI_LOCAL_RANK", "MPI_LOCALRANKID")
 
 
 def _mpi_launcher() -> tuple[str, str, str] | None:
-    """The variables of the MPI launcher or srun that started this process with others, if one did."""
+    """The variables of the MPI launcher or srun that started this process with others, if one did. The shell
+    of `srun --pty bash` inherits the step's variables too, and is one process."""
     return next((names for names in MPI_LAUNCHER_VARS
-                 if int(os.environ.get(names[0], "1")) > 1 and names[1] in os.environ), None)
+                 if int(os.environ.get(names[0], "1")) > 1 and names[1] in os.environ
+                 and not (names[0] == "SLURM_STEP_NUM_TASKS" and "SLURM_PTY_PORT" in os.environ)), None)
 
 
 def _left_to_mpi_discovery() -> bool:
@@ -57,7 +62,8 @@ def adopt_launcher_env() -> None:
     if launcher is not None:
         size, rank, local = launcher
         os.environ.update(RANK=os.environ[rank], WORLD_SIZE=os.environ[size])
-        if local in os.environ:
+        local = next((name for name in (local, *LOCAL_RANK_FALLBACKS) if name in os.environ), None)
+        if local is not None:
             os.environ["LOCAL_RANK"] = os.environ[local]
         if "MASTER_ADDR" in os.environ:
             os.environ.setdefault("MASTER_PORT", "29500")  # torch's and DeepSpeed's default
@@ -108,14 +114,14 @@ def on_rank_zero(action: Callable[[], object], what: str) -> None:
     if dist.get_rank() == 0:
         try:
             action()
-        except (UserError, OSError) as err:
+        except Exception as err:  # whatever it is, the other ranks must hear of it
             error = err
     failed = torch.tensor([0 if error is None else 1], device=get_accelerator().current_device_name())
     dist.all_reduce(failed)
     if isinstance(error, UserError):
         raise error
     if error is not None:
-        raise UserError(f"cannot {what}: {error}")
+        raise UserError(f"cannot {what}: {type(error).__name__}: {error}")
     if failed.item():
         raise UserError(f"rank 0 could not {what} (its own line says why); every rank stopped")
 

@@ -203,13 +203,15 @@ def _check_corpus(train_data: list[str]) -> list[str]:
 
 
 def check_multi_node_launch(train_data: list[str], launcher: str) -> list[str]:
-    """What only a launch over several nodes trips on: DeepSpeed's default launcher needs pdsh (there is no
-    ssh fallback), and it hands each argument without a space unquoted to every node's shell, which expands a
-    glob itself (bash's `**` is `*`: fewer files than this node's Python finds)."""
+    """What only a launch over pdsh trips on (DeepSpeed's default for several nodes): pdsh itself (there is no
+    ssh fallback), and a glob: pdsh hands each argument without a space unquoted to every node's shell, which
+    expands it itself (bash's `**` is `*`: fewer files than this node's Python finds)."""
     import shutil
 
+    if launcher != "pdsh":  # the MPI and Slurm runners pass the arguments on as they are, through no shell
+        return []
     problems = []
-    if launcher == "pdsh" and shutil.which("pdsh") is None:
+    if shutil.which("pdsh") is None:
         problems.append("pdsh is not installed here, and DeepSpeed's launcher starts the other nodes through it: "
                         "install pdsh (apt/dnf install pdsh), or launch with --launcher openmpi|slurm|mvapich")
     for spec in train_data:
@@ -338,8 +340,7 @@ def run(argv: list[str] | None = None) -> int:
     else:
         import torch
 
-        world_size = torch.cuda.device_count() if capability is not None and not args.gpu_arch else 1
-        world_size = max(world_size, 1)
+        world_size = max(torch.cuda.device_count() if local is not None else 1, 1)  # this machine's GPUs
     try:
         if args.model is not None:
             check_preset(args.model)

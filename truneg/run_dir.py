@@ -43,12 +43,25 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
 LATER_FIELDS = ("max_predictions", "sr_sent_target", "architecture", "synonym_table", "data")
 
 
+# Fields that may hold a path, relative or not, as the command line gave it: the launch scripts make them
+# absolute, a hand-typed command may not; compared resolved.
+PATH_FIELDS = {"init_from": (), "hc": ("none", "wordnet", "embedding")}
+
+
+def _resolved(record: dict) -> dict:
+    out = dict(record)
+    for key, words in PATH_FIELDS.items():
+        if isinstance(out.get(key), str) and out[key] not in words:
+            out[key] = str(Path(out[key]).resolve())
+    return out
+
+
 def _same_run(previous: dict | None, identity: dict) -> tuple[bool, list[str]]:
     if previous is None:
         return False, []
     missing = [k for k in LATER_FIELDS if k in identity and k not in previous]
     trimmed = {k: v for k, v in identity.items() if k not in missing}
-    return previous == trimmed, missing
+    return _resolved(previous) == _resolved(trimmed), missing
 
 
 def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
