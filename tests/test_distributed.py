@@ -42,12 +42,13 @@ def _ranks() -> tuple[str | None, ...]:
     # srun's task: the step's size (a batch script has SLURM_NTASKS too, below)
     ({"SLURM_STEP_NUM_TASKS": "32", "SLURM_NTASKS": "32", "SLURM_PROCID": "17", "SLURM_LOCALID": "1"}, ("17", "32", "1")),
     # an sbatch script itself: SLURM_PROCID=0 and the allocation's SLURM_NTASKS, but one process
-    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, ("0", "1", "0")),
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, (None, None, None)),
     # srun --mpi=pmi2: PMI_RANK and PMI_SIZE, no MPI_LOCALRANKID; the local rank is srun's
     ({"PMI_SIZE": "16", "PMI_RANK": "11", "SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3"},
      ("11", "16", "3")),
     # the shell of `srun --pty bash` inherits the step's variables, and is one process
-    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_PTY_PORT": "4321"}, ("0", "1", "0")),
+    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_PTY_PORT": "4321"},
+     (None, None, None)),
     # a launcher that sets RANK (DeepSpeed's pdsh runner, torchrun) is taken as is, MPI variables or not
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"},
      ("1", "2", "1")),
@@ -58,9 +59,9 @@ def test_ranks_come_from_mpirun_and_srun_and_a_batch_script_is_one_process(bare_
         bare_env.setenv(name, value)
     distributed.adopt_launcher_env()
     rank, world, local, port = _ranks()
-    assert (rank, world, local) == expected
-    assert distributed.launch_world_size() == int(expected[1])  # what the batch arithmetic is done for
-    if int(world) > 1 and "RANK" not in launcher:
+    assert (rank, world, local) == expected  # None: a world of one, whose variables init_distributed sets
+    assert distributed.launch_world_size() == int(world or 1)  # what the batch arithmetic is done for
+    if world not in (None, "1") and "RANK" not in launcher:
         assert port == "29500"  # MASTER_ADDR given, MASTER_PORT torch's default
 
 

@@ -55,7 +55,8 @@ def adopt_launcher_env() -> None:
     """RANK, WORLD_SIZE and LOCAL_RANK before anything reads them (the batch arithmetic, the corpus preparation
     per node, the process group). A launcher that sets them (DeepSpeed's pdsh launcher, torchrun) is taken as
     is; under mpirun or srun they come from that launcher's variables, and MASTER_ADDR from the environment or
-    from DeepSpeed's MPI discovery (mpi4py); a process started by hand is a world of one."""
+    from DeepSpeed's MPI discovery (mpi4py); a process started by hand is a world of one, and its variables are
+    set by init_distributed, all together (HF's Trainer, later in the same process, reads them too)."""
     if "RANK" in os.environ:
         return
     launcher = _mpi_launcher()
@@ -72,7 +73,6 @@ def adopt_launcher_env() -> None:
                             "MASTER_ADDR and MASTER_PORT (rank 0's host and a free port) to every rank, or "
                             "pip install mpi4py so that DeepSpeed finds them")
         return
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
 
 
 def launch_world_size() -> int:
@@ -90,7 +90,8 @@ def init_distributed() -> tuple[int, int]:
     from deepspeed.accelerator import get_accelerator
 
     adopt_launcher_env()
-    if os.environ.get("WORLD_SIZE", "1") == "1":  # a port of its own, taken as late as possible
+    if "RANK" not in os.environ:  # no launcher: a world of one, on a port of its own
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     accelerator = get_accelerator()
