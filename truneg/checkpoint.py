@@ -296,11 +296,12 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
-        states = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                            weights_only=False)
-        if (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0) == 0:
-            return {name: value.float() for name, value in states["module"].items()}
-        del states
+        model_file = checkpoint_dir / tag / "mp_rank_00_model_states.pt"  # ZeRO-3 writes one per rank instead
+        if model_file.is_file():
+            states = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
+            if (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0) == 0:
+                return {name: value.float() for name, value in states["module"].items()}
+            del states
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
