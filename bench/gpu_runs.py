@@ -152,6 +152,16 @@ def run_pretrain(argv: list[str], output_dir: Path) -> Run:
     return Run(error, seconds, records, facts)
 
 
+def plain_step(model, optimizer, batch: dict, accum: int) -> None:
+    """One optimizer step of a plain torch loop (no DeepSpeed), the baseline the benchmarks set truneg beside:
+    `accum` micro-steps on the same batch, then the update."""
+    for _ in range(accum):
+        loss, _ = model(**batch)
+        (loss / accum).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def read_records(output_dir: Path) -> list[dict]:
     metrics = output_dir / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_runs import patched  # noqa: E402
+from bench.gpu_runs import patched, plain_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO, ACCUM = 64, 4
@@ -140,11 +140,7 @@ def plain_rate(compiled: bool = False, profile: bool = False, micro: int = MICRO
         for step in range(STEPS):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for _ in range(accum):
-                loss, _ = model(**batch)
-                (loss / accum).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            plain_step(model, optimizer, batch, accum)
             torch.cuda.synchronize()
             if step >= 3:
                 times.append(time.perf_counter() - t0)

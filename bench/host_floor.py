@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_runs import CORPUS, DS_CONFIGS, run_pretrain  # noqa: E402
+from bench.gpu_runs import CORPUS, DS_CONFIGS, plain_step, run_pretrain  # noqa: E402
 from bench.gpu_step import PEAK_TFLOPS, TFLOPS_PER_SAMPLE  # noqa: E402
 from bench.hc_sr_overhead import real_batch  # noqa: E402
 from truneg import models  # noqa: E402
@@ -55,11 +55,7 @@ def plain_ms(preset: str, accum: int) -> float:
     times = []
     for step in range(STEPS):
         t0 = time.perf_counter()
-        for _ in range(accum):
-            loss, _ = model(**batch)
-            (loss / accum).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        plain_step(model, optimizer, batch, accum)
         if step >= LOG:
             times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)

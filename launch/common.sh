@@ -80,8 +80,8 @@ continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's cont
 
 launch() {
   if [ "${PREFLIGHT:-1}" != 0 ]; then
-    local checked=(--gpu-arch "$GPU_ARCH" --hostfile "$HOSTFILE")
-    if [ "$HOSTFILE" = local ]; then checked=(--gpu-arch "$GPU_ARCH"); fi  # this machine's GPUs, as deepspeed counts them
+    local checked=(--gpu-arch "$GPU_ARCH")  # local: this machine's GPUs, as deepspeed counts them
+    if [ "$HOSTFILE" != local ]; then checked+=(--hostfile "$HOSTFILE"); fi
     local launcher=pdsh previous= arg
     for arg in ${LAUNCHER_ARGS:-}; do
       case "$arg" in --launcher=*) launcher="${arg#--launcher=}" ;; esac

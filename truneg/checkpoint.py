@@ -161,8 +161,7 @@ def _clear(checkpoint_dir: Path, tag: str) -> None:
             _point_latest(checkpoint_dir, earlier[-1])
         else:
             (checkpoint_dir / "latest").unlink()
-    for folder in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag)):
-        _remove(folder)
+    _remove_tag(checkpoint_dir, tag)
 
 
 def _point_latest(checkpoint_dir: Path, tag: str) -> None:
@@ -191,13 +190,18 @@ def remove_old(checkpoint_dir: Path, keep: int) -> list[str]:
     tags = [t for t in list_tags(checkpoint_dir) if latest is None or step_of_tag(t) <= step_of_tag(latest)]
     removed = [t for t in tags[:-keep] if t != latest]
     for tag in removed:
-        for folder in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag)):
-            _remove(folder)
+        _remove_tag(checkpoint_dir, tag)
     return removed
 
 
+def _remove_tag(checkpoint_dir: Path, tag: str) -> None:
+    """A tag and its universal form, each renamed first (atomic), then deleted: a kill half-way leaves a
+    `*.deleting` folder, never half a tag."""
+    for folder in (checkpoint_dir / tag, checkpoint_dir / universal_tag(tag)):
+        _remove(folder)
+
+
 def _remove(folder: Path) -> None:
-    """Renamed first (atomic), then deleted: a kill half-way leaves a `*.deleting` folder, never half a tag."""
     if folder.is_dir():
         doomed = folder.with_name(folder.name + DELETING_SUFFIX)
         shutil.rmtree(doomed, ignore_errors=True)  # a leftover of a kill during an earlier removal

@@ -72,7 +72,6 @@ def adopt_launcher_env() -> None:
             raise UserError(f"started by mpirun or srun ({size}={os.environ[size]}) without MASTER_ADDR: export "
                             "MASTER_ADDR and MASTER_PORT (rank 0's host and a free port) to every rank, or "
                             "pip install mpi4py so that DeepSpeed finds them")
-        return
 
 
 def launch_world_size() -> int:
