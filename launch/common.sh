@@ -82,13 +82,8 @@ launch() {
   if [ "${PREFLIGHT:-1}" != 0 ]; then
     local checked=(--gpu-arch "$GPU_ARCH")  # local: this machine's GPUs, as deepspeed counts them
     if [ "$HOSTFILE" != local ]; then checked+=(--hostfile "$HOSTFILE"); fi
-    local launcher=pdsh previous= arg
-    for arg in ${LAUNCHER_ARGS:-}; do
-      case "$arg" in --launcher=*) launcher="${arg#--launcher=}" ;; esac
-      if [ "$previous" = --launcher ]; then launcher="$arg"; fi
-      previous="$arg"
-    done
-    "$PYTHON" -m truneg.preflight ${checked[@]+"${checked[@]}"} --launcher "$launcher" "$@"
+    # LAUNCHER_ARGS' --launcher, --include/--exclude and --num_nodes/--num_gpus decide the nodes and the world size
+    "$PYTHON" -m truneg.preflight ${checked[@]+"${checked[@]}"} --launcher-args="${LAUNCHER_ARGS:-}" "$@"
   fi
   # exec: the launcher's exit status, which is a failed rank's, is this script's.
   exec "$DEEPSPEED" ${hosts[@]+"${hosts[@]}"} ${LAUNCHER_ARGS:-} "$REPO/truneg/pretrain.py" "$@"

@@ -407,13 +407,14 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], cwd=tmp_path, capture_output=True,
                           text=True, env={**env, "OUTPUT": str(out), "DATA": "corpus", "HC": "my.npz", "SR": "word"})
     assert f"--train-data {tmp_path}/corpus " in proc.stdout and f"--hc {tmp_path}/my.npz --sr word" in proc.stdout
-    # the preflight is told the launcher LAUNCHER_ARGS picks (pdsh by default), and nothing about hosts with local
+    # the preflight is told LAUNCHER_ARGS (its launcher and node filters), and nothing about hosts with local
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nif [ "$2" = truneg.preflight ]; then echo "PREFLIGHT $*"; exit 0; fi\n'
                       f'exec {sys.executable} "$@"\n')
     python.chmod(0o755)
-    for extra, expected in (({}, "--launcher pdsh"), ({"LAUNCHER_ARGS": "--launcher openmpi"}, "--launcher openmpi"),
-                            ({"LAUNCHER_ARGS": "--launcher=slurm", "HOSTFILE": "local"}, "--launcher slurm")):
+    for extra, expected in (({}, "--launcher-args= --model"),
+                            ({"LAUNCHER_ARGS": "--launcher openmpi"}, "--launcher-args=--launcher openmpi --model"),
+                            ({"LAUNCHER_ARGS": "--num_nodes 2", "HOSTFILE": "local"}, "--launcher-args=--num_nodes 2")):
         proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], capture_output=True, text=True,
                               env={**env, "OUTPUT": str(out), "PYTHON": str(python), "PREFLIGHT": "1", **extra})
         preflight_line = next(line for line in proc.stdout.splitlines() if line.startswith("PREFLIGHT"))
@@ -461,7 +462,24 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 2 and "pdsh is not installed" in errors[0] and "is a glob" in errors[1]
     assert preflight.run([*glob, "--launcher", "openmpi"]) == 0  # which passes arguments on through no shell
+    assert preflight.run([*glob, "--launcher-args=--launcher=slurm"]) == 0  # LAUNCHER_ARGS, as the scripts pass it
     capsys.readouterr()
+    # LAUNCHER_ARGS' node filters change the world size as deepspeed's runner applies them; one node needs no pdsh
+    for launcher_args, world, accumulation in (("--num_nodes=1 --num_gpus 4", "4", "128"), ("--num_nodes 2", "16", "32"),
+                                               ("--include node-02:0,1,2,3@node-04:4,5,6,7", "8", "64")):
+        assert preflight.run([*argv, f"--launcher-args={launcher_args}"]) == 0, capsys.readouterr().err
+        monkeypatch.setenv("PATH", str(stubs))
+        printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if not line.startswith("note"))
+        assert printed["world size"] == world, launcher_args
+        assert printed["gradient accumulation"] == accumulation and printed["global batch"] == "16384"
+    assert preflight.run([*argv, "--launcher-args=--include node-02:0,1@node-04"]) == 2
+    assert "does not split over 10 ranks" in capsys.readouterr().err
+    for launcher_args, said in (("--include node-09", "Hostname 'node-09' not found in hostfile"),
+                                ("--num_nodes 2 --exclude node-01", "--num_nodes/--num_gpus together with --include"),
+                                ("--frobnicate", "unrecognized arguments: --frobnicate")):
+        assert preflight.run([*argv, f"--launcher-args={launcher_args}"]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("truneg: error: LAUNCHER_ARGS") and said in line, line
     bf16 = ["--gpu-arch", "sm70", "--deepspeed_config", str(REPO / "ds_configs" / "electra_base_a100_bf16_zero3.json"),
             "--output-dir", str(out)]
     assert preflight.run(bf16) == 2 and "only emulates" in capsys.readouterr().err

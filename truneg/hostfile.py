@@ -1,4 +1,5 @@
 """Before a multi-node launch: check the DeepSpeed hostfile, and write the env file the other nodes read.
+The preflight's checks of the nodes a launch gets (DeepSpeed's node filters, pdsh, ssh) are here too.
 
     python -m truneg.hostfile launch/hosts     # prints the nodes, or one line naming the bad line; exit 2
     python -m truneg.hostfile launch/hosts --env-file OUT/deepspeed_env    # and write the env file
@@ -17,6 +18,8 @@ import argparse
 import getpass
 import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -118,6 +121,72 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
     tmp.write_text("".join(f"{key}={value}\n" for key, value in merged.items()), encoding="utf-8")
     tmp.replace(path)
     return merged
+
+
+def check_multi_node_launch(train_data: list[str], launcher: str) -> list[str]:
+    """What only a launch over pdsh trips on (DeepSpeed's default for several nodes): pdsh itself (there is no
+    ssh fallback), and a glob: pdsh hands each argument without a space unquoted to every node's shell, which
+    expands it itself (bash's `**` is `*`: fewer files than this node's Python finds)."""
+    if launcher != "pdsh":  # the MPI and Slurm runners pass the arguments on as they are, through no shell
+        return []
+    problems = []
+    if shutil.which("pdsh") is None:
+        problems.append("pdsh is not installed here, and DeepSpeed's launcher starts the other nodes through it: "
+                        "install pdsh (apt/dnf install pdsh), or launch with --launcher openmpi|slurm|mvapich")
+    for spec in train_data:
+        if any(c in str(spec) for c in "*?["):
+            problems.append(f"--train-data {spec} is a glob, which each node's shell expands on its own (`**` as "
+                            "`*`); pass its folder, or prepare the corpus first (truneg prepare) and pass that")
+    return problems
+
+
+def check_ssh(hosts: list[str], timeout_s: int = 10) -> list[str]:
+    """Hosts that passwordless ssh does not reach (the pdsh/ssh launchers need it)."""
+    problems = []
+    for host in hosts:
+        try:
+            result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", host, "true"],
+                                    capture_output=True, text=True, timeout=timeout_s + 5)
+            failed = result.returncode != 0
+            detail = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        except (OSError, subprocess.TimeoutExpired) as err:
+            failed, detail = True, str(err)
+        if failed:
+            problems.append(f"ssh to {host} failed ({detail}); set up passwordless ssh from this node")
+    return problems
+
+
+def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: str) -> tuple[dict[str, int], str | None]:
+    """The nodes and GPU counts `deepspeed` itself would start for these options, and the launcher they name
+    (None when they do not name one): the hostfile's slots (or this machine's GPUs without one) narrowed by
+    --include/--exclude, --num_nodes and --num_gpus, with DeepSpeed's own parser and filters."""
+    import contextlib
+    import io
+    import shlex
+
+    from deepspeed.launcher import runner
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            options = runner.parse_args([*shlex.split(launcher_args), "pretrain.py"])
+            default = runner.parse_args(["pretrain.py"])
+    except (SystemExit, ValueError) as err:
+        reason = (said.getvalue().strip().splitlines() or [str(err)])[-1].split("error: ", 1)[-1]
+        raise UserError(f"LAUNCHER_ARGS {launcher_args!r}: {reason}; see deepspeed --help") from None
+    if (options.num_nodes >= 0 or options.num_gpus >= 0) and (options.include or options.exclude):
+        raise UserError("LAUNCHER_ARGS: deepspeed refuses --num_nodes/--num_gpus together with --include/--exclude; "
+                        "use one or the other")
+    if options.num_nodes > 1 and not hosts:
+        raise UserError(f"LAUNCHER_ARGS: --num_nodes {options.num_nodes} without a hostfile; name the nodes in one")
+    pool = dict(hosts) or {"localhost": local_gpus}
+    try:
+        active = runner.parse_inclusion_exclusion(pool, options.include, options.exclude)
+    except ValueError as err:
+        raise UserError(f"LAUNCHER_ARGS: {err}") from None
+    active = runner.apply_num_nodes_and_gpus(active, options.num_nodes, options.num_gpus)
+    launcher = options.launcher if options.launcher != default.launcher else None
+    return {host: len(slots) for host, slots in active.items() if slots}, launcher
 
 
 @exit_on_user_error

@@ -12,7 +12,6 @@ pretrain.py's start-up calls, before deepspeed.init_distributed:
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -202,25 +201,6 @@ def _check_corpus(train_data: list[str]) -> list[str]:
     return []
 
 
-def check_multi_node_launch(train_data: list[str], launcher: str) -> list[str]:
-    """What only a launch over pdsh trips on (DeepSpeed's default for several nodes): pdsh itself (there is no
-    ssh fallback), and a glob: pdsh hands each argument without a space unquoted to every node's shell, which
-    expands it itself (bash's `**` is `*`: fewer files than this node's Python finds)."""
-    import shutil
-
-    if launcher != "pdsh":  # the MPI and Slurm runners pass the arguments on as they are, through no shell
-        return []
-    problems = []
-    if shutil.which("pdsh") is None:
-        problems.append("pdsh is not installed here, and DeepSpeed's launcher starts the other nodes through it: "
-                        "install pdsh (apt/dnf install pdsh), or launch with --launcher openmpi|slurm|mvapich")
-    for spec in train_data:
-        if any(c in str(spec) for c in "*?["):
-            problems.append(f"--train-data {spec} is a glob, which each node's shell expands on its own (`**` as "
-                            "`*`); pass its folder, or prepare the corpus first (truneg prepare) and pass that")
-    return problems
-
-
 def check_start(args: argparse.Namespace, config: dict, world_size: int, capability=_LOCAL,
                 nodes: int = 1) -> list[str]:
     """Every problem that would stop (or silently spoil) the run, one line each; [] when it can start.
@@ -285,22 +265,6 @@ def summary(args: argparse.Namespace, config: dict, world_size: int, capability,
     return lines
 
 
-def check_ssh(hosts: list[str], timeout_s: int = 10) -> list[str]:
-    """Hosts that passwordless ssh does not reach (the pdsh/ssh launchers need it)."""
-    problems = []
-    for host in hosts:
-        try:
-            result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", host, "true"],
-                                    capture_output=True, text=True, timeout=timeout_s + 5)
-            failed = result.returncode != 0
-            detail = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-        except (OSError, subprocess.TimeoutExpired) as err:
-            failed, detail = True, str(err)
-        if failed:
-            problems.append(f"ssh to {host} failed ({detail}); set up passwordless ssh from this node")
-    return problems
-
-
 def build_parser() -> argparse.ArgumentParser:
     from truneg.pretrain import build_parser as pretrain_parser
 
@@ -312,12 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the nodes' GPU generation, when this machine has none (sm70 V100, sm80 A100, sm90 H100/H200)")
     parser.add_argument("--check-ssh", action="store_true", help="also reach every node of the hostfile over ssh")
     parser.add_argument("--launcher", default="pdsh", help="DeepSpeed's multi-node launcher, as given to it (default pdsh)")
+    parser.add_argument("--launcher-args", default="",
+                        help="the options given to `deepspeed` itself (the launch scripts' LAUNCHER_ARGS), read by "
+                             "DeepSpeed's own parser: --launcher, --include, --exclude, --num_nodes and --num_gpus "
+                             "decide the nodes and GPUs the run gets; write it as --launcher-args='...'")
     return parser
 
 
 def run(argv: list[str] | None = None) -> int:
     """Print the summary and return 0, or print one line per problem and return 2."""
-    from truneg.hostfile import check_hostfile
+    from truneg.hostfile import check_hostfile, check_multi_node_launch, check_ssh, launched_resources
     from truneg.models import MAX_POSITIONS, check_preset
 
     args = build_parser().parse_args(argv)
@@ -335,12 +303,18 @@ def run(argv: list[str] | None = None) -> int:
         problems.append(f"--gpu-arch {args.gpu_arch} (the launch scripts' GPU=...) but this node's GPU is sm_{local[0]}"
                         f"{local[1]}: set GPU to this cluster's GPUs (v100, a100, h100, h200), or run the preflight "
                         "where they are")
-    if hosts:
-        world_size = sum(hosts.values())
-    else:
-        import torch
+    import torch
 
-        world_size = max(torch.cuda.device_count() if local is not None else 1, 1)  # this machine's GPUs
+    local_gpus = max(torch.cuda.device_count() if local is not None else 1, 1)  # this machine's GPUs
+    launcher = args.launcher
+    try:
+        hosts, named = launched_resources(hosts, local_gpus, args.launcher_args)
+        launcher = named or launcher
+    except UserError as err:
+        problems.append(str(err))
+    world_size = max(sum(hosts.values()), 1)
+    if not args.hostfile:
+        hosts = {}  # one machine: no node checks
     try:
         if args.model is not None:
             check_preset(args.model)
@@ -359,7 +333,7 @@ def run(argv: list[str] | None = None) -> int:
     if config is not None:
         problems += check_start(args, config, world_size, capability, nodes=max(len(hosts), 1))
     if len(hosts) > 1:
-        problems += check_multi_node_launch(args.train_data, args.launcher)
+        problems += check_multi_node_launch(args.train_data, launcher)
     if args.check_ssh and hosts:
         problems += check_ssh(list(hosts))
     if problems:
