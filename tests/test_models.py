@@ -87,6 +87,10 @@ def test_init_from_keeps_or_applies_dropout_and_refuses_a_contradicting_preset(t
     build_pretrainer("bert-tiny", ObjectiveConfig(), dropout=0.2).mlm.save_pretrained(tmp_path / "bert")
     kept = build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "bert")
     assert kept.mlm.config.hidden_dropout_prob == 0.2 and kept.mlm.bert.embeddings.dropout.p == 0.2
+    assert all(m.training for m in kept.modules())  # from_pretrained's eval mode would turn the dropout off
+    inputs, _, labels, original = masked_batch(3)
+    batch = model_inputs(inputs, labels, original)
+    assert kept(**batch)[0].item() != kept(**batch)[0].item()  # dropout draws anew
     applied = build_pretrainer("bert-tiny", ObjectiveConfig(), init_from=tmp_path / "bert", dropout=0.0)
     assert all(m.p == 0.0 for m in applied.modules() if isinstance(m, torch.nn.Dropout))
     assert architecture(applied) == {"family": "bert", "layers": 2, "hidden": 64, "vocab_size": 30522, "dropout": 0.0}
@@ -102,6 +106,7 @@ def test_init_from_keeps_or_applies_dropout_and_refuses_a_contradicting_preset(t
     electra.discriminator.save_pretrained(tmp_path / "electra" / "discriminator")
     assert matching_preset(tmp_path / "bert") == "bert-tiny"
     assert matching_preset(tmp_path / "electra") == "electra-tiny"
+    assert all(m.training for m in build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "electra").modules())
     assert matching_preset(tmp_path / "nothing") is None
 
 

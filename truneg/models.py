@@ -320,7 +320,9 @@ def _continued(preset: str | None, root: Path, objective: ObjectiveConfig) -> Be
             raise UserError(f"--model {preset} ({wanted['num_hidden_layers']} layers x {wanted['hidden_size']}) contradicts "
                             f"--init-from {root} ({loaded['num_hidden_layers']} x {loaded['hidden_size']}); "
                             "drop --model to train the checkpoint's own architecture")
-    return model
+    # HF's from_pretrained returns its models in eval mode, and DeepSpeed's engine never calls train(): without
+    # this a continued run would pre-train with every dropout layer off
+    return model.train()
 
 
 def architecture(model: BertPretrainer | ElectraPretrainer) -> dict:
