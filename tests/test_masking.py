@@ -1,6 +1,10 @@
 """Masking with static shapes: an exact count per sequence, the schemes' shares, purity, and the batch layout."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -103,3 +107,31 @@ def test_background_workers_give_the_same_batches_and_the_consumed_position(toke
     resumed, _ = take(2, 7, state=ahead_position)
     rest, _ = take(0, 20)
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(resumed, rest[13:]))
+
+
+def test_a_stop_signal_to_the_process_group_leaves_the_workers_feeding_the_rank(tmp_path):
+    """A scheduler signals the whole process group: the rank must still get its batches to finish the step
+    and save (its own handler only sets a flag), so the workers must not die of the signal."""
+    child = tmp_path / "rank.py"
+    child.write_text(textwrap.dedent("""
+        import os, signal
+        import numpy as np
+        from truneg.data import ResumableSampler, load_tokenizer
+        from truneg.masking import MaskedBatches
+        received = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, f: received.append(s))  # as truneg.loop.StopSignal
+        blocks = np.random.default_rng(0).integers(1000, 30000, (64, 16)).astype(np.int32)
+        batches = MaskedBatches(blocks, ResumableSampler(64, 4, 1, 0, seed=3), load_tokenizer(), "bert", seed=0,
+                                max_predictions=4, workers=2)
+        next(batches), next(batches)  # one from each worker: both are running
+        os.killpg(0, signal.SIGTERM)
+        os.killpg(0, signal.SIGINT)
+        for _ in range(30):  # more than the workers had read ahead
+            next(batches)
+        print("signals", sorted(received))
+    """))
+    proc = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=120,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "signals [2, 15]" in proc.stdout, proc.stdout  # and it exits (its workers stopped) within the timeout

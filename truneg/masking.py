@@ -11,6 +11,9 @@ resume, independent of the world size.
 """
 from __future__ import annotations
 
+import atexit
+import signal
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -116,6 +119,20 @@ class _MaskedMicroBatches(torch.utils.data.Dataset):
         return batch, position
 
 
+def _leave_stop_signals_to_the_rank(worker_id: int) -> None:
+    """A scheduler's SIGTERM (and a terminal's SIGINT) reaches the whole process group, workers included.
+    torch's workers die of it, and the rank's next batch then raises instead of finishing the step and
+    saving. The rank stops its workers itself, and they also leave when it dies (torch's watchdog)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop_workers(loader_iterator: weakref.ref) -> None:
+    iterator = loader_iterator()
+    if iterator is not None:
+        iterator._shutdown_workers()  # what its __del__ does
+
+
 class MaskedBatches:
     """Iterator of masked micro-batches for one rank (dicts of tensors, see `mask_tokens`).
 
@@ -137,8 +154,12 @@ class MaskedBatches:
                 # its own generator: the workers' base seed would otherwise be drawn from the global torch RNG,
                 # shifting dropout and Gumbel noise (masking itself needs no torch RNG)
                 generator=torch.Generator().manual_seed(seed),
+                worker_init_fn=_leave_stop_signals_to_the_rank,
             )
             self._it = iter(loader)
+            # the workers ignore SIGTERM, so they are stopped here before multiprocessing's exit handler sends
+            # them SIGTERM and joins them (which would wait forever); atexit runs the newer handler first
+            atexit.register(_stop_workers, weakref.ref(self._it))
         else:
             items = map(dataset.__getitem__, _MicroBatchPlan(sampler))
             self._it = (({k: v.pin_memory() for k, v in b.items()} if pin_memory else b, pos) for b, pos in items)
