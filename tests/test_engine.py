@@ -184,6 +184,45 @@ def test_export_round_trip_electra_zero3(runs, tmp_path):
     assert len(get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"))) == len(reference)
 
 
+def test_export_reads_the_bf16_recipes_checkpoints(tmp_path, launch_env, small_corpus):
+    """The bf16 recipes (bf16 at ZeRO-1, fp32 gradient accumulation) run DeepSpeed's BF16_Optimizer, whose
+    partitions zero_to_fp32 does not read. The exported weights are its fp32 masters: the same as DeepSpeed's
+    ds_to_universal takes out of them, and the bf16 weights the model ran with, rounded."""
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining
+
+    from truneg.checkpoint import convert_to_universal
+    from truneg.export import export
+
+    config = json.loads((REPO / "ds_configs" / "electra_small_a100_bf16_zero1.json").read_text())
+    cpu = json.loads((REPO / "ds_configs" / "cpu_zero2.json").read_text())
+    config.update(optimizer=cpu["optimizer"], scheduler=cpu["scheduler"])  # torch's AdamW: no GPU build here
+    (tmp_path / "bf16.json").write_text(json.dumps(config))
+    out = tmp_path / "bf16"
+    run(deepspeed_cmd(*train_args("electra-zero2", out, small_corpus), "--deepspeed_config", str(tmp_path / "bf16.json"),
+                      "--max-steps", "4", "--save-steps", "4", "--micro-batch-size", "2", port=free_port()), launch_env)
+    checkpoints = out / "checkpoints"
+    assert len(list((checkpoints / "global_step4").glob("bf16_zero_pp_rank_*_optim_states.pt"))) == 2
+    written = export(checkpoints, tmp_path / "hf")
+    models = {"generator": ElectraForMaskedLM.from_pretrained(written["generator"]).state_dict(),
+              "discriminator": ElectraForPreTraining.from_pretrained(written["discriminator"]).state_dict()}
+    universal = convert_to_universal(checkpoints, "global_step4") / "zero"
+    states = torch.load(checkpoints / "global_step4" / "mp_rank_00_model_states.pt", weights_only=False)
+
+    def exported(name: str) -> torch.Tensor:
+        part, _, key = name.partition(".")
+        return models[part][key]
+
+    optimized = [name for group in states["param_shapes"] for name in group]
+    for name in optimized:
+        assert torch.equal(exported(name), torch.load(universal / name / "fp32.pt", weights_only=False)["param"]), name
+    for name in [*optimized, *states["shared_params"]]:  # all of it, tied weights too: what the model ran with
+        assert torch.equal(exported(name).bfloat16(), states["module"][name]), name
+    # tied: the generator's embeddings are the discriminator's, and its LM head's weight is the word embeddings
+    assert len(optimized) > 20 and len(states["shared_params"]) == 6
+    for name, source in states["shared_params"].items():
+        assert torch.equal(exported(name), exported(source)), name
+
+
 def test_every_ds_config_is_valid_for_deepspeed():
     from deepspeed.runtime.config import DeepSpeedConfig
 

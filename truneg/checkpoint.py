@@ -296,7 +296,8 @@ def prepare_universal(point: ResumePoint, world_size: int) -> str:
 def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
     """The consolidated fp32 weights of a tag (any ZeRO stage, any world size): DeepSpeed's zero_to_fp32 for
     ZeRO-1/2/3. It reads ZeRO partitions only; a ZeRO-0 tag (the LAMB recipe's) has none, and its one model file
-    holds the whole model as it ran (in fp16 runs, the fp16 weights; their fp32 masters are optimizer state)."""
+    holds the whole model as it ran (in fp16 runs, the fp16 weights; their fp32 masters are optimizer state).
+    Nor does it read BF16_Optimizer's partitions (the bf16 recipes': bf16 at ZeRO-1, fp32 accumulation)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
@@ -305,10 +306,42 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
             states = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
             if (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0) == 0:
                 return {name: value.float() for name, value in states["module"].items()}
+            bf16_partitions = sorted(checkpoint_dir.joinpath(tag).glob(f"{BF16_PARTITION}*_optim_states.pt"),
+                                     key=lambda f: int(f.name.removeprefix(BF16_PARTITION).split("_")[0]))
+            if bf16_partitions:
+                return _bf16_optimizer_weights(states, bf16_partitions)
             del states
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
+
+
+BF16_PARTITION = "bf16_zero_pp_rank_"  # BF16_Optimizer's files: bf16_zero_pp_rank_{dp rank}_mp_rank_00_optim_states.pt
+
+
+def _bf16_optimizer_weights(states: dict, partitions: list[Path]) -> dict:
+    """The fp32 master weights of BF16_Optimizer's partitions, in data-parallel rank order. Each rank holds
+    consecutive slices of every flat parameter group, and `param_slice_mappings` names the fragment
+    (start, numel) of each parameter in its slice; buffers and tied parameters come as zero_to_fp32 takes
+    them (the model file's `buffer_names` and `shared_params`)."""
+    fragments: dict[str, list[torch.Tensor]] = {}
+    for path in partitions:
+        optimizer = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        for flat, mapping in zip(optimizer["single_partition_of_fp32_groups"], optimizer["param_slice_mappings"]):
+            for name, fragment in mapping.items():
+                fragments.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel))
+    weights = {}
+    for group in states["param_shapes"]:
+        for name, shape in group.items():
+            flat = torch.cat(fragments.get(name, [torch.empty(0)]))
+            if flat.numel() != shape.numel():
+                raise ValueError(f"{name}: {flat.numel()} values in {len(partitions)} partitions for shape {tuple(shape)}")
+            weights[name] = flat.view(shape).clone()
+    weights.update({name: value.float() if value.is_floating_point() else value
+                    for name, value in states["module"].items() if name in states["buffer_names"]})
+    for name, shared in states["shared_params"].items():
+        weights[name] = weights[shared]
+    return weights
 
 
 def load_into(module: torch.nn.Module, state_dict: dict, where: str) -> None:
