@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -70,6 +71,25 @@ class _OpCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def test_the_first_throughput_after_a_resume_counts_only_the_samples_trained_since(tmp_path, monkeypatch):
+    """A checkpoint inside a log interval (a stop-and-save) carries the interval's sums, but not its samples:
+    they were trained before the timer of the resumed process started."""
+    now = [50.0]
+    monkeypatch.setattr("truneg.metrics.time.perf_counter", lambda: now[0])
+    first = MetricsLogger(engine=None, output_dir=tmp_path, seq_len=128, rank=1)  # rank 1: writes nothing
+    steps = micro_steps(["masked", "mismatched", "corrected", "sequences", "sequences_corrected"], 7, nonfinite_at=-1)
+    add(first, steps[:4])
+    now[0] = 100.0  # the resumed process starts its timer, and logs two seconds later
+    engine = SimpleNamespace(global_samples=28, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=0)
+    resumed = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=128, rank=1)
+    resumed.load_state_dict(first.state_dict())
+    add(resumed, steps[4:])
+    now[0] = 102.0
+    record = resumed.log(step=7)
+    assert record["samples_per_sec"] == 3 * 4 / 2.0 and record["tokens_per_sec"] == 6.0 * 128
+    assert record["loss"] == sum(float(loss) for _, loss in steps) / 7  # the sums themselves do carry over
 
 
 def test_a_micro_step_costs_the_same_few_ops_however_many_stats(tmp_path):

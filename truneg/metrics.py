@@ -70,7 +70,6 @@ class MetricsLogger:
             "sums": dict(zip(self.keys, self.sums.tolist())) if self.sums is not None else {},
             "micro_steps": self.micro_steps,
             "nonfinite_steps": self.nonfinite_steps,
-            "interval_samples": self.interval_samples,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -78,7 +77,7 @@ class MetricsLogger:
         self.sums = torch.tensor(list(state["sums"].values()), dtype=torch.float64) if self.keys else None
         self.micro_steps = state["micro_steps"]
         self.nonfinite_steps = state["nonfinite_steps"]
-        self.interval_samples = state["interval_samples"]
+        # not interval_samples: the throughput is the samples this process trained over the time it took
 
     def _reduced(self) -> dict[str, float]:
         counters = torch.tensor(
