@@ -134,7 +134,7 @@ def test_hostfile_errors_stop_the_launch_scripts(tmp_path, launch_env):
 def test_non_finite_losses_skip_their_step_then_stop_the_run(tmp_path, launch_env, small_corpus):
     """Step 3's loss is NaN (injected): that update is skipped, counted, and training goes on with finite
     losses. Steps 6-8 are NaN too: three in a row stop the run, with `latest` at the last good step. ZeRO-3
-    in fp32, where DeepSpeed itself would apply the NaN gradients."""
+    in fp32: DeepSpeed's own check (the grad norm) skips the step too, counts it and holds the LR schedule."""
     out = tmp_path / "nan"
     env = {**launch_env, "TRUNEG_INJECT_NONFINITE_STEPS": "3,6,7,8"}
     proc = subprocess.run(pretrain_cmd("--model", "bert-tiny", "--train-data", str(small_corpus), "--seq-len", "64",
@@ -152,6 +152,9 @@ def test_non_finite_losses_skip_their_step_then_stop_the_run(tmp_path, launch_en
     assert "loss" not in records[3], "a skipped step has no loss to show"
     assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5)), "the NaN step left the weights finite"
     assert records[4]["loss"] < records[1]["loss"] + 1.0
+    # `lr` is the next step's rate: warmup raises it every applied step, and the skipped step 3 leaves it
+    assert records[1]["lr"] < records[2]["lr"] == records[3]["lr"] < records[4]["lr"]
+    assert [records[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]  # DeepSpeed's running total
 
 
 def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path, launch_env, small_corpus):

@@ -99,11 +99,11 @@ def innermost_optimizer(engine) -> torch.optim.Optimizer:
 class SkipGuard:
     """Skips the update of an optimizer step whose gradients are not finite on some rank.
 
-    fp16's loss scaler and DeepSpeed's overflow check (bf16, and fp32 at ZeRO-1/2 through the grad norm)
-    skip such steps themselves and count them in `engine.skipped_steps`; elsewhere (fp32 at ZeRO-0 and 3)
-    nothing would. The guard sits on the innermost torch optimizer, so whichever way DeepSpeed wraps it,
-    a flagged step leaves the weights and the optimizer's moments untouched. The step counter and the LR
-    schedule still advance, as for an fp16 overflow."""
+    fp16's loss scaler and DeepSpeed's overflow check (bf16, and fp32 at ZeRO-1/2/3 through the grad norm)
+    skip such steps themselves, count them in `engine.skipped_steps` and hold the LR schedule; at fp32
+    ZeRO-0 nothing would. The guard sits on the innermost torch optimizer, so whichever way DeepSpeed wraps
+    it, a flagged step leaves the weights and the optimizer's moments untouched; the step counter advances,
+    and at fp32 ZeRO-0 the LR schedule too (DeepSpeed sees no overflow there)."""
 
     def __init__(self, engine):
         inner = innermost_optimizer(engine)
