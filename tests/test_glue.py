@@ -111,7 +111,8 @@ def trainer_run(tmp_path_factory, minilm_without_dropout, sst2_slice):
 def reference_finetune(model_dir, rows, dev_rows, epochs, lr, batch_size, seed, layerwise_decay, max_seq_len,
                        max_train_samples):
     """The oracle: the hand-written loop truneg used before Trainer, written out here on its own. AdamW (eps 1e-6,
-    wd 0.01 but not on biases and LayerNorms), one parameter group per tensor with lr x decay^(layers + 1 - depth),
+    wd 0.01 but not on biases and LayerNorms), one parameter group per tensor with lr x decay^(layers + 2 - depth)
+    (depths as ELECTRA's `_get_layer_lrs`: embeddings 0, layer i i + 1, the head layers + 2),
     HF's linear warmup (10 %) and decay, clipping at 1; the examples in accelerate's seedable order (a permutation
     seeded with seed + epoch), each batch padded to its longest example."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -126,9 +127,9 @@ def reference_finetune(model_dir, rows, dev_rows, epochs, lr, batch_size, seed, 
         if "embeddings" in name:
             return 0
         match = re.search(r"encoder\.layer\.(\d+)\.", name)
-        return int(match.group(1)) + 1 if match else layers + 1
+        return int(match.group(1)) + 1 if match else layers + 2
 
-    groups = [{"params": [p], "lr": lr * layerwise_decay ** (layers + 1 - depth(n)),
+    groups = [{"params": [p], "lr": lr * layerwise_decay ** (layers + 2 - depth(n)),
                "weight_decay": 0.0 if n.endswith("bias") or "LayerNorm" in n else 0.01}
               for n, p in model.named_parameters()]
     optimizer = torch.optim.AdamW(groups, lr=lr, eps=1e-6)
@@ -242,3 +243,22 @@ def test_results_keys_of_two_dev_sets_and_of_a_regression(tmp_path, task):
     assert set(results) == RESULT_KEYS - {"accuracy"} | expected
     assert results["eval_samples"] == 8 * (len(files) - 1)
     assert all(-1 <= results[k] <= 1 for k in expected)
+
+
+def test_layerwise_decay_follows_electras_depths_embeddings_project_included():
+    """google-research/electra's `_get_layer_lrs`: lr x decay^(n + 2 - depth), with `/embeddings/` and
+    `/embeddings_project/` at depth 0, `encoder/layer_i/` at i + 1 and `task_specific/` at n + 2."""
+    from transformers import ElectraConfig, ElectraForSequenceClassification
+
+    from truneg.glue import layerwise_param_groups
+
+    model = ElectraForSequenceClassification(ElectraConfig(vocab_size=50, embedding_size=8, hidden_size=16,
+                                                           num_hidden_layers=3, num_attention_heads=2,
+                                                           intermediate_size=32))
+    lr_of = {id(p): group["lr"] for group in layerwise_param_groups(model, 1.0, 0.5, 0.01) for p in group["params"]}
+    expected = {"electra.embeddings.word_embeddings.weight": 0.5 ** 5, "electra.embeddings_project.weight": 0.5 ** 5,
+                "electra.encoder.layer.0.attention.self.query.weight": 0.5 ** 4,
+                "electra.encoder.layer.2.output.LayerNorm.bias": 0.5 ** 2, "classifier.out_proj.weight": 1.0}
+    named = dict(model.named_parameters())
+    assert {name: lr_of[id(named[name])] for name in expected} == expected
+    assert len(lr_of) == len(named)

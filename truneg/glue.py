@@ -17,6 +17,7 @@ import csv
 import json
 import math
 import random
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,19 +117,21 @@ def resolve_model_dir(model: str | Path) -> Path:
 
 
 def layerwise_param_groups(model, lr: float, decay: float, weight_decay: float) -> list[dict]:
-    """ELECTRA's layer-wise learning-rate decay: the top layer gets lr, each layer below it decay x more."""
+    """ELECTRA's layer-wise learning-rate decay (its `_get_layer_lrs`): lr x decay^(layers + 2 - depth), where
+    the embeddings and `embeddings_project` are depth 0, layer i is depth i + 1 and the task head (and BERT's
+    pooler) depth layers + 2. The top layer thus gets lr x decay^2, the head lr."""
     num_layers = model.config.num_hidden_layers
     groups: dict[tuple[int, bool], list] = {}
     for name, param in model.named_parameters():
-        if ".embeddings." in name or name.startswith("embeddings."):
+        if re.search(r"(^|\.)embeddings(_project)?\.", name):
             depth = 0
-        elif ".layer." in name:
-            depth = int(name.split(".layer.")[1].split(".")[0]) + 1
+        elif match := re.search(r"(^|\.)layer\.(\d+)\.", name):
+            depth = int(match.group(2)) + 1
         else:
-            depth = num_layers + 1  # pooler, classifier
+            depth = num_layers + 2  # the task head, BERT's pooler
         no_decay = name.endswith("bias") or "LayerNorm" in name
         groups.setdefault((depth, no_decay), []).append(param)
-    return [{"params": params, "lr": lr * decay ** (num_layers + 1 - depth),
+    return [{"params": params, "lr": lr * decay ** (num_layers + 2 - depth),
              "weight_decay": 0.0 if no_decay else weight_decay} for (depth, no_decay), params in sorted(groups.items())]
 
 
@@ -190,7 +193,7 @@ def _trainer_classes():
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or self.training_bar is None or not logs:
                 return
-            if "loss" in logs:  # lr: the top layer's (Trainer logs the first group's, the embeddings')
+            if "loss" in logs:  # lr: the head's (Trainer logs the first group's, the embeddings')
                 lr = max(kwargs["lr_scheduler"].get_last_lr()) if kwargs.get("lr_scheduler") else logs.get("learning_rate", 0.0)
                 self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{lr:.2e}")
             scores = {k[len("eval_"):]: v for k, v in logs.items() if k.startswith("eval_") and
