@@ -183,16 +183,17 @@ def test_finetune_on_trainer_equals_an_independent_reference_loop(trainer_run, m
 
 def test_cli_through_deepspeed_matches_the_plain_run_and_shows_progress(tmp_path, launch_env, trainer_run,
                                                                          minilm_without_dropout, sst2_slice):
-    """`truneg finetune glue --deepspeed_config` (ZeRO-2 on the CPU, through Trainer's DeepSpeed integration):
-    the same training as the in-process run without DeepSpeed, the results JSON alone on stdout, and on stderr
-    the note on the dropped optimizer section, the bar with the loss and the dev score after each epoch."""
+    """`truneg finetune glue --deepspeed_config` (ZeRO-3 on the CPU, through Trainer's DeepSpeed integration):
+    the same training as the in-process run without DeepSpeed, the results JSON alone on stdout, on stderr
+    the note on the dropped optimizer section, the bar with the loss and the dev score after each epoch, and
+    the fine-tuned model's own weights saved (ZeRO-3 gathers them only when its config says so)."""
     from transformers import AutoModelForSequenceClassification
 
     plain_dir, plain = trainer_run
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in RECIPE.items()]
     proc = subprocess.run([sys.executable, "-m", "truneg.cli", "finetune", "glue", "--task", "sst2", "--model",
                            str(minilm_without_dropout), "--data-dir", str(sst2_slice), "--output-dir", str(tmp_path / "ds"),
-                           *flags, "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json")],
+                           *flags, "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero3.json")],
                           env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "ds" / "results.json").read_text())

@@ -163,6 +163,9 @@ def finetuning_deepspeed_config(path: str | Path) -> dict:
         config.pop(key, None)
     config.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto", gradient_accumulation_steps="auto",
                   gradient_clipping="auto")
+    zero = config.get("zero_optimization") or {}
+    if zero.get("stage") == 3:  # else Trainer's save_model writes a ZeRO checkpoint, not the model's weights
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     return config
 
 
