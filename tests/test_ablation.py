@@ -39,3 +39,31 @@ def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, sm
     for variant in report["scores"]:
         results = json.loads((out / variant.replace("+", "_") / "glue" / "rte" / "results.json").read_text())
         assert results["train_samples"] == 64 and results["eval_samples"] == 277
+
+
+def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_path, monkeypatch):
+    """A variant whose latest checkpoint is before --steps (a run stopped early, or an earlier invocation's)
+    goes back to pre-training, which resumes it (or refuses another run's folder): it is not exported as if
+    finished. The table's MRPC score is accuracy, as the paper's Table 3 reports it."""
+    import argparse
+
+    import truneg.export
+    import truneg.glue
+    from truneg import ablation
+
+    (tmp_path / "glue" / "MRPC").mkdir(parents=True)
+    (tmp_path / "glue" / "MRPC" / "train.tsv").write_text("")
+    launched = []
+    monkeypatch.setattr(ablation, "pretrain", lambda variant, args, out: launched.append(variant))
+    monkeypatch.setattr(truneg.export, "export", lambda *a, **k: None)
+    monkeypatch.setattr(truneg.glue, "finetune", lambda *a, **k: {"accuracy": 0.75, "f1": 0.8})
+    args = argparse.Namespace(tasks="mrpc", glue_dir=str(tmp_path / "glue"), output_dir=str(tmp_path / "out"), steps=6,
+                              epochs=None, lr=1e-4, batch_size=32, max_train_samples=None, seed=42, preset="bert-tiny")
+    for variant, step in (("baseline", 6), ("HC", 3), ("SR", 6), ("HC+SR", 0)):
+        checkpoints = tmp_path / "out" / variant.replace("+", "_") / "checkpoints"
+        checkpoints.mkdir(parents=True)
+        if step:
+            (checkpoints / "latest").write_text(f"global_step{step}")
+    report = ablation.run_ablation(args)
+    assert launched == ["HC", "HC+SR"]
+    assert report["scores"]["baseline"] == {"mrpc": 75.0}

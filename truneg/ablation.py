@@ -19,7 +19,9 @@ from pathlib import Path
 from truneg.errors import UserError
 
 VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
-MAIN_METRIC = {"cola": "matthews_correlation", "stsb": "spearmanr", "mrpc": "f1", "qqp": "f1"}
+# The paper's Table 3 (as ELECTRA): "STS is reported by Spearman correlation, CoLA ... by Matthew's correlation,
+# and other tasks are reported by accuracy" (MRPC and QQP too; results.json has their F1 besides)
+MAIN_METRIC = {"cola": "matthews_correlation", "stsb": "spearmanr"}
 
 
 def main_score(task: str, results: dict) -> float:
@@ -58,7 +60,7 @@ def format_table(scores: dict[str, dict[str, float]], tasks: list[str]) -> str:
 
 
 def run_ablation(args) -> dict:
-    from truneg.checkpoint import latest_tag
+    from truneg.checkpoint import latest_tag, step_of_tag
     from truneg.export import export
     from truneg.glue import TASKS, finetune
 
@@ -74,7 +76,8 @@ def run_ablation(args) -> dict:
     scores: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
         run_dir = out / variant.replace("+", "_")
-        if latest_tag(run_dir / "checkpoints") is None:
+        latest = latest_tag(run_dir / "checkpoints")
+        if latest is None or step_of_tag(latest) != args.steps:  # not run, or cut short: it resumes
             pretrain(variant, args, run_dir)
         export(run_dir / "checkpoints", run_dir / "hf")
         scores[variant] = {}
