@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import cli_in_process
+from conftest import REPO, cli_in_process
 
 from truneg import models
 from truneg.analysis import (
@@ -231,3 +231,27 @@ def test_fn_stats_line_segmentation_pads_and_never_attends_to_padding(tmp_path, 
     masks = torch.cat([mask for _, mask in seen])
     assert inputs.shape == (6, 32) and (inputs == tokenizer.pad_token_id).any()
     assert torch.equal(masks.bool(), inputs != tokenizer.pad_token_id)  # masking never puts a token on [PAD]
+
+
+def test_fn_stats_reads_with_the_checkpoints_own_tokenizer(tmp_path):
+    """The tokenizer saved with a run (beside its tags' configs, or in an exported folder) reads its corpus;
+    bert-base-uncased's only where none was saved; two vocabularies at once are refused."""
+    from truneg.analysis import CheckpointRef, checkpoints_tokenizer
+    from truneg.data import load_tokenizer
+    from truneg.errors import UserError
+
+    base = load_tokenizer()
+    vocab = (REPO / "truneg" / "assets" / "vocab" / "vocab.txt").read_text().splitlines()
+    vocab[2000], vocab[2001] = vocab[2001], vocab[2000]  # another vocab of the same size
+    own = tmp_path / "checkpoints" / "hf_config" / "tokenizer"
+    base.save_pretrained(own)  # as pretrain saves it, then with another vocab of the same size
+    (own / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (own / "tokenizer.json").unlink()
+    base.save_pretrained(tmp_path / "exported")
+    truneg_ref = CheckpointRef("run", 8, tmp_path / "checkpoints" / "global_step8", "truneg")
+    exported_ref = CheckpointRef("hf", -1, tmp_path / "exported", "hf")
+    bare_ref = CheckpointRef("bare", -1, tmp_path / "bare", "hf")  # no tokenizer saved
+    assert checkpoints_tokenizer([truneg_ref]).convert_ids_to_tokens([2000, 2001]) == [vocab[2000], vocab[2001]]
+    assert checkpoints_tokenizer([exported_ref, bare_ref]).get_vocab() == base.get_vocab()
+    with pytest.raises(UserError, match="run was trained with another vocabulary than hf"):
+        checkpoints_tokenizer([exported_ref, truneg_ref])

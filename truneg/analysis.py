@@ -164,6 +164,27 @@ def discover_checkpoints(paths: list[str | Path]) -> list[CheckpointRef]:
     return found
 
 
+def checkpoints_tokenizer(refs: list[CheckpointRef]):
+    """The tokenizer the checkpoints were trained with: the one saved beside a truneg tag's configs, or in an
+    exported folder; bert-base-uncased's where none is saved. Checkpoints of different vocabularies are refused:
+    their ratios would not be comparable, and one would read the other's token ids."""
+    from truneg.data import DEFAULT_TOKENIZER, load_tokenizer
+    from truneg.export import HF_CONFIG_DIR, TOKENIZER_DIR
+
+    chosen, vocab, first = None, None, None
+    for ref in refs:
+        folder = ref.path.parent / HF_CONFIG_DIR / TOKENIZER_DIR if ref.kind == "truneg" else ref.path
+        if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file()):
+            folder = Path(DEFAULT_TOKENIZER)
+        tokenizer = load_tokenizer(folder)
+        if vocab is None:
+            chosen, vocab, first = tokenizer, tokenizer.get_vocab(), ref.label
+        elif tokenizer.get_vocab() != vocab:
+            raise UserError(f"{ref.label} was trained with another vocabulary than {first}; analyse them apart, "
+                            "or pass --tokenizer to read both with one")
+    return chosen if chosen is not None else load_tokenizer(DEFAULT_TOKENIZER)
+
+
 def load_mlm(ref: CheckpointRef):
     """The masked LM of a checkpoint: BertForMaskedLM, or ELECTRA's generator (ElectraForMaskedLM)."""
     from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM

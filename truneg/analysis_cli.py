@@ -18,15 +18,15 @@ def _common(parser) -> None:
                         help="default: argmax for BERT, the generator's sample for ELECTRA (as in training)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-sequences", type=int, help="stop after this many sequences")
-    parser.add_argument("--tokenizer", help="tokenizer folder (default: bert-base-uncased)")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoints' own, else bert-base-uncased)")
 
 
-def _prepare(args):
-    from truneg.analysis import open_sequences
-    from truneg.data import DEFAULT_TOKENIZER, load_tokenizer
+def _prepare(args, refs):
+    from truneg.analysis import checkpoints_tokenizer, open_sequences
+    from truneg.data import load_tokenizer
     from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable
 
-    tokenizer = load_tokenizer(args.tokenizer or DEFAULT_TOKENIZER)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else checkpoints_tokenizer(refs)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     table = SynonymTable.load(args.synonyms or SHIPPED_WORDNET_TABLE, expect_tokens=tokens)
     blocks = open_sequences(args.data, tokenizer, args.seq_len, args.segmentation)
@@ -37,7 +37,7 @@ def _fn_stats(args) -> None:
     from truneg.analysis import discover_checkpoints, evaluate, format_table, load_mlm, write_stats
 
     refs = discover_checkpoints(args.checkpoints)
-    tokenizer, _, lookup, blocks = _prepare(args)
+    tokenizer, _, lookup, blocks = _prepare(args, refs)
     results = []
     for ref in refs:
         counts, _ = evaluate(load_mlm(ref), blocks, tokenizer, lookup, args.prediction, args.seed, args.batch_size,
@@ -56,7 +56,7 @@ def _fn_cases(args) -> None:
     refs = discover_checkpoints([args.checkpoint])
     if len(refs) != 1:
         refs = refs[-1:]  # a checkpoints folder: its newest tag
-    tokenizer, table, lookup, blocks = _prepare(args)
+    tokenizer, table, lookup, blocks = _prepare(args, refs)
     counts, cases = evaluate(load_mlm(refs[0]), blocks, tokenizer, lookup, args.prediction, args.seed,
                              args.batch_size, args.max_sequences, label=refs[0].label, step=refs[0].step,
                              max_cases=args.n, table=table)
