@@ -89,6 +89,21 @@ def test_soft_regularization_value_and_gradient_match_reference(seed):
     np.testing.assert_allclose(alone.grad.to_dense().numpy(), ref_grad, atol=1e-6)
 
 
+def test_soft_regularization_leaves_out_a_zero_row():
+    """HF zero-initialises the [PAD] row: a predicted [PAD] has no cosine, and must not blow up the gradient
+    (cosine_similarity's eps would make it |E[gold]| / 1e-8); the other positions keep their mean."""
+    gen = torch.Generator().manual_seed(0)
+    emb = torch.randn(30, 8, generator=gen)
+    emb[0] = 0.0
+    emb.requires_grad_()
+    gold, pred, valid = torch.tensor([5, 6, 7, 8]), torch.tensor([9, 0, 11, 12]), torch.tensor([True, True, True, False])
+    value = soft_regularization(emb, gold, pred, valid)
+    value.backward()
+    expected = soft_regularization(emb.detach(), gold[[0, 2]], pred[[0, 2]])
+    assert torch.allclose(value, expected)
+    assert emb.grad.to_dense().abs().max() < 10 and not emb.grad.to_dense()[0].any()
+
+
 def test_sentence_regularization_matches_reference():
     gen = torch.Generator().manual_seed(0)
     h_p, h_s = torch.randn(2, 5, 6, generator=gen), torch.randn(2, 5, 6, generator=gen)

@@ -41,7 +41,10 @@ def mlm_loss(logits: torch.Tensor, gold: torch.Tensor, keep: torch.Tensor) -> to
 def soft_regularization(
     embedding_matrix: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The paper's Eq. 3: mean over masked positions of 1 - cos(E[gold], E[pred]); gradients reach both rows."""
+    """The paper's Eq. 3: mean over masked positions of 1 - cos(E[gold], E[pred]); gradients reach both rows.
+
+    A position with a zero row has no cosine and is left out: HF zero-initialises the [PAD] row, and a
+    predicted [PAD] would otherwise send a gradient of |E[gold]| / 1e-8 into it (cosine_similarity's eps)."""
     # One lookup of both rows. Its gradient is sparse on the CPU: a dense one is a [V, H] buffer zeroed and then
     # summed into the embedding's gradient, 0.7 % of a bert-base step there (bench/hc_sr_overhead.py), where
     # the sparse one is [2 x B x P, H]. On GPUs the dense buffer is a memset and stays (the sparse sum is not checked
@@ -52,9 +55,10 @@ def soft_regularization(
     both = F.embedding(torch.stack([gold, pred]), embedding_matrix, sparse=sparse)
     gold_vectors, pred_vectors = both.float().unbind(0)
     per_position = 1.0 - F.cosine_similarity(gold_vectors, pred_vectors, dim=-1)
-    if valid is None:
-        return per_position.mean()
-    return (per_position * valid).sum() / valid.sum().clamp(min=1)
+    counted = (gold_vectors.ne(0).any(-1) & pred_vectors.ne(0).any(-1))
+    if valid is not None:
+        counted = counted & valid
+    return (per_position * counted).sum() / counted.sum().clamp(min=1)
 
 
 def sentence_regularization(
