@@ -71,6 +71,22 @@ def test_blocks_equal_todays_packing_of_the_same_text(tmp_path, corpus, tokenize
     many = prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "many", 1, unit_bytes=UNIT, progress=False)
     assert len(open_prepared(many).index["shards"]) >= 4
     assert_units_follow_stream(many, stream, SEQ)
+    # as a DataLoader worker started by spawn/forkserver gets it: the folder's name, not the shards' bytes
+    import pickle
+
+    blocks = open_prepared(many)
+    sent = pickle.dumps(blocks)
+    assert len(sent) < 4096 < blocks.shape[0] * SEQ * 2
+    assert (pickle.loads(sent)[np.arange(len(blocks))] == blocks[np.arange(len(blocks))]).all()
+    # a soft limit on open files below the shard count is raised as far as the hard one allows
+    import resource
+
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, limits[1]))
+        assert len(open_prepared(many)) == len(blocks) and resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 64
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
 
 def test_killed_prepare_resumes_to_the_same_shards(tmp_path, corpus, tokenizer):
@@ -129,6 +145,25 @@ def test_ids_round_trip_through_the_narrowest_dtype(tmp_path, vocab, dtype):
     blocks, _ = open_training_blocks(str(tmp_path / "c.txt"), tokenizer, SEQ, cache_dir=tmp_path / "cache", num_proc=1)
     assert blocks.index["dtype"] == dtype and blocks[np.arange(3)].dtype == np.int32
     assert (blocks[np.arange(len(blocks))] == pack_blocks(ids, SEQ, 2, 3)).all()
+
+
+def test_hf_rows_reach_the_tokenizer_about_a_chunk_of_text_at_a_time(monkeypatch):
+    """A row can be a whole book and a batch holds 1,000 rows: the tokenizer gets them about CHUNK_BYTES of text
+    at a time, the same rows in the same order (so the same shards: packing carries over) and the same hash."""
+    import hashlib
+
+    from truneg import corpus
+
+    rows = [f"row {i} " * (i % 7 + 1) for i in range(40)] + [None, "x" * 500]
+    monkeypatch.setattr(corpus, "_unit_batches", lambda source, unit: iter([rows[:30], rows[30:]]))
+    whole_digest, chunks_digest = hashlib.sha256(), hashlib.sha256()
+    whole = list(corpus.iter_hf_unit(None, {}, whole_digest))
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 100)
+    chunks = list(corpus.iter_hf_unit(None, {}, chunks_digest))
+    assert [t for texts, _ in chunks for t in texts] == [t for texts, _ in whole for t in texts] == [r or "" for r in rows]
+    assert len(whole) == 2 and len(chunks) > 6
+    assert all(sum(map(len, texts[:-1])) < 100 for texts, _ in chunks)  # each stops at the row that reaches it
+    assert chunks_digest.hexdigest() == whole_digest.hexdigest()
 
 
 def test_hf_sources_from_the_command_line(tmp_path, tokenizer):

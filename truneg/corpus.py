@@ -234,10 +234,18 @@ def _unit_batches(source: HFSource, unit: dict) -> Iterator[list]:
 
 
 def iter_hf_unit(source: HFSource, unit: dict, digest: hashlib._Hash) -> Iterator[tuple[list[str], int]]:
-    """(row texts, replaced characters) of a unit, HF_BATCH_ROWS rows at a time; hashes the texts."""
+    """(row texts, replaced characters) of a unit, up to HF_BATCH_ROWS rows and about CHUNK_BYTES of text at a
+    time (a row can be a whole book: the tokenizer's memory is some 50x the text it is given); hashes the texts."""
     for batch in _unit_batches(source, unit):
-        texts = [t or "" for t in batch]
-        for text in texts:
+        texts, size = [], 0
+        for text in batch:
+            text = text or ""
             digest.update(text.encode("utf-8", errors="replace"))
             digest.update(b"\0")
-        yield texts, sum(t.count("\ufffd") for t in texts)
+            texts.append(text)
+            size += len(text)
+            if size >= CHUNK_BYTES:
+                yield texts, sum(t.count("\ufffd") for t in texts)
+                texts, size = [], 0
+        if texts:
+            yield texts, sum(t.count("\ufffd") for t in texts)

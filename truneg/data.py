@@ -59,6 +59,17 @@ def pack_blocks(flat_ids: np.ndarray, seq_len: int, cls_id: int, sep_id: int) ->
 # ---------------------------------------------------------------------------------------------------
 
 
+def _allow_open_files(needed: int) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            raise UserError(f"the corpus needs about {needed} open files (one per shard) and this process may open "
+                            f"{hard}; raise the hard limit (ulimit -Hn {needed}, or the scheduler's or limits.conf's nofile)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
 class PreparedBlocks:
     """The blocks of a prepared folder: the union of its memory-mapped shards, indexed like one
     [n, seq_len] array (`blocks[indices]` -> int32 rows; a sorted index array reads each shard in order)."""
@@ -66,7 +77,6 @@ class PreparedBlocks:
     def __init__(self, folder: Path, index: dict):
         self.folder, self.index, self.fingerprint = folder, index, index["fingerprint"]
         self.seq_len, dtype = index["seq_len"], np.dtype(index["dtype"])
-        self._shards, counts = [], []
         for shard in index["shards"]:
             path = folder / shard["file"]
             expect = shard["blocks"] * self.seq_len * dtype.itemsize
@@ -74,10 +84,25 @@ class PreparedBlocks:
             if size != expect:
                 state = "missing" if size is None else f"{size} bytes, {expect} expected: truncated or replaced"
                 raise UserError(f"shard {path} is {state}; run the same `truneg prepare` again into a new --out")
-            if shard["blocks"]:
-                self._shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["blocks"], self.seq_len)))
-                counts.append(shard["blocks"])
-        self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._map_shards()
+
+    def _map_shards(self) -> None:
+        """Each mapping holds an open file: a corpus at the paper's scale has thousands of shards, past the
+        usual soft limit of 1024 open files, so the soft limit is raised to what they need (up to the hard one)."""
+        dtype, shards = np.dtype(self.index["dtype"]), [s for s in self.index["shards"] if s["blocks"]]
+        _allow_open_files(len(shards) + 256)
+        self._shards = [np.memmap(self.folder / s["file"], dtype=dtype, mode="r", shape=(s["blocks"], self.seq_len))
+                        for s in shards]
+        self._offsets = np.concatenate([[0], np.cumsum([s["blocks"] for s in shards])]).astype(np.int64)
+
+    # A DataLoader worker started by spawn or forkserver (Python 3.14's default on Linux) gets the dataset
+    # pickled, and a memmap pickles as all of its bytes: the worker maps the shards itself instead.
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_shards", "_offsets")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._map_shards()
 
     def __len__(self) -> int:
         return int(self._offsets[-1])

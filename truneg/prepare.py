@@ -234,7 +234,8 @@ def prepare(train_data: str | Sequence[str], tokenizer, seq_len: int, out: str |
         if int(stale.name[:6]) % count == index:
             stale.unlink(missing_ok=True)
     jobs = [{"unit": u, "settings": settings, "folder": str(out)} for u in todo]
-    num_proc = max(1, min(num_proc or os.cpu_count() or 1, len(jobs)))
+    # the CPUs this process may use (a scheduler's allotment), not the machine's
+    num_proc = max(1, min(num_proc or len(os.sched_getaffinity(0)), len(jobs)))
     from tqdm import tqdm
 
     bar = tqdm(total=sum(u["bytes"] for u in mine), initial=sum(u["bytes"] for u in mine if u["index"] in done),
@@ -372,7 +373,7 @@ def add_command(commands) -> None:
     cmd.add_argument("--seq-len", type=int, default=128)
     cmd.add_argument("--out", required=True, type=Path, help="the prepared folder (or this part's folder)")
     cmd.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
-    cmd.add_argument("--num-proc", type=int, help="tokenizer processes (default: all cores)")
+    cmd.add_argument("--num-proc", type=int, help="tokenizer processes (default: the CPUs this process may use)")
     cmd.add_argument("--part", default="0/1", help="i/n: prepare the i-th (0-based) of n parts, e.g. one per machine")
     cmd.add_argument("--merge", nargs="+", metavar="DIR", help="join the finished parts in these folders into --out")
     cmd.set_defaults(func=_run)
