@@ -76,8 +76,18 @@ def test_sampler_resumes_and_is_independent_of_world_size():
     steps = [take(s, 12) for s in two]
     merged = [np.concatenate([steps[0][k][1], steps[1][k][1]]).tolist() for k in range(12)]
     assert merged == [i.tolist() for _, i in full[:12]]
-    with pytest.raises(UserError, match="fewer than one micro-batch"):
+    with pytest.raises(UserError, match="fewer than one global batch"):
         ResumableSampler(3, 2, 2, 0, seed=0)
+    with pytest.raises(UserError, match=r"fewer than one global batch \(2 x 3 x 2"):
+        ResumableSampler(11, 2, 2, 0, seed=0, accumulation=3)
+    # The same global batch of 8 split as 2 ranks x 4, or as 1 rank x 4 x 2 micro-steps: the same sequences
+    # in every optimizer step, across epoch ends too (53 = 6 x 8 + 5: the 5 left over are dropped either way;
+    # counted in micro-steps of 4, the single rank would take a 13th and split a step across two epochs)
+    two_ranks = [take(ResumableSampler(53, 4, 2, r, seed=9), 14) for r in range(2)]
+    per_step_two = [sorted(np.concatenate([two_ranks[0][k][1], two_ranks[1][k][1]]).tolist()) for k in range(14)]
+    one_rank = take(ResumableSampler(53, 4, 1, 0, seed=9, accumulation=2), 28)
+    per_step_one = [sorted(np.concatenate([one_rank[2 * k][1], one_rank[2 * k + 1][1]]).tolist()) for k in range(14)]
+    assert per_step_one == per_step_two and [e for e, _ in one_rank[::2]] == [0] * 6 + [1] * 6 + [2] * 2
 
 
 def test_hf_dataset_with_a_named_text_column(tmp_path, tokenizer):

@@ -253,14 +253,18 @@ class SamplerState:
 class ResumableSampler:
     """Each global micro-step takes the next `micro_batch * world_size` sequences of a seeded per-epoch
     permutation, and rank r takes its slice. The position (epoch, offset) goes into checkpoints; it counts
-    sequences, so a run resumed on another world size with the same global batch reads the same data."""
+    sequences, so a run resumed on another world size with the same global batch reads the same data. An
+    epoch ends where the next global batch (x `accumulation`) would not fit: the tail it drops is the same
+    whatever the split of that batch into ranks and micro-steps."""
 
-    def __init__(self, num_sequences: int, micro_batch: int, world_size: int, rank: int, seed: int):
+    def __init__(self, num_sequences: int, micro_batch: int, world_size: int, rank: int, seed: int,
+                 accumulation: int = 1):
         self.global_micro = micro_batch * world_size
-        if num_sequences < self.global_micro:
+        self.global_batch = self.global_micro * accumulation
+        if num_sequences < self.global_batch:
             raise UserError(
-                f"the corpus has {num_sequences} sequences, fewer than one micro-batch across ranks "
-                f"({micro_batch} x {world_size}); add text or lower the batch size"
+                f"the corpus has {num_sequences} sequences, fewer than one global batch ({micro_batch} x "
+                f"{accumulation} x {world_size}: micro-batch x accumulation x ranks); add text or lower the batch size"
             )
         self.num_sequences, self.micro_batch, self.rank, self.seed = num_sequences, micro_batch, rank, seed
         self.state = SamplerState()
@@ -272,7 +276,8 @@ class ResumableSampler:
         """Yields (epoch, sequence indices of this rank's micro-batch) forever, from the current state."""
         while True:
             perm = self._permutation(self.state.epoch)
-            while self.state.offset + self.global_micro <= self.num_sequences:
+            # the optimizer step this micro-step belongs to must fit whole
+            while self.state.offset - self.state.offset % self.global_batch + self.global_batch <= self.num_sequences:
                 start = self.state.offset + self.rank * self.micro_batch
                 self.state.offset += self.global_micro
                 yield self.state.epoch, perm[start : start + self.micro_batch]

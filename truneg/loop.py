@@ -52,7 +52,8 @@ def start_state(cfg: RunConfig, engine, blocks, tokenizer, resume: checkpoint.Re
     """The state at the first step: fresh, or restored from `tag` (weights, optimizer, scheduler, step,
     data position, RNG states and metric sums)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    sampler = ResumableSampler(len(blocks), engine.train_micro_batch_size_per_gpu(), world_size, rank, cfg.seed)
+    sampler = ResumableSampler(len(blocks), engine.train_micro_batch_size_per_gpu(), world_size, rank, cfg.seed,
+                               engine.gradient_accumulation_steps())
     metrics = MetricsLogger(engine, cfg.output_dir, cfg.seq_len, rank)
     seed(cfg.seed, rank)
     if resume is not None:
