@@ -82,14 +82,20 @@ def test_the_first_throughput_after_a_resume_counts_only_the_samples_trained_sin
     steps = micro_steps(["masked", "mismatched", "corrected", "sequences", "sequences_corrected"], 7, nonfinite_at=-1)
     add(first, steps[:4])
     now[0] = 100.0  # the resumed process starts its timer, and logs two seconds later
-    engine = SimpleNamespace(global_samples=28, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=0)
-    resumed = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=128, rank=1)
+    events = []
+    engine = SimpleNamespace(global_samples=28, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=0,
+                             monitor=SimpleNamespace(write_events=events.extend))
+    resumed = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=128, rank=0)
     resumed.load_state_dict(first.state_dict())
     add(resumed, steps[4:])
     now[0] = 102.0
     record = resumed.log(step=7)
     assert record["samples_per_sec"] == 3 * 4 / 2.0 and record["tokens_per_sec"] == 6.0 * 128
     assert record["loss"] == sum(float(loss) for _, loss in steps) / 7  # the sums themselves do carry over
+    # tensorboard: DeepSpeed's engine writes lr (and fp16's loss_scale) at every step; they are not written twice
+    tags = {tag for tag, _, _ in events}
+    assert {"Train/Samples/loss", "Train/Samples/samples_per_sec"} <= tags and "Train/Samples/lr" not in tags
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["lr"] == 1e-4
 
 
 def test_a_micro_step_costs_the_same_few_ops_however_many_stats(tmp_path):
@@ -104,6 +110,28 @@ def test_a_micro_step_costs_the_same_few_ops_however_many_stats(tmp_path):
             metrics.add(stats, loss, finite, samples=4)
         counts.append(sum(counter.ops.values()))
     assert counts[0] == counts[1] <= 8, counts  # 4 per stat before: 58 for ELECTRA's 12 stats
+
+
+def test_a_resume_drops_the_csv_monitor_rows_after_its_checkpoint(tmp_path, monkeypatch):
+    """DeepSpeed's csv monitor appends, and a new process writes each file's header again: after a resume
+    from 16 samples, each file has one header, its rows up to 16, then the resumed run's."""
+    import deepspeed.comm
+    from deepspeed.monitor.config import CSVConfig
+    from deepspeed.monitor.csv_monitor import csvMonitor
+
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda: 0)  # rank 0 writes; no process group here
+    config = CSVConfig(enabled=True, output_path=str(tmp_path), job_name="run")
+    killed = csvMonitor(config)
+    for samples in (8, 16, 24, 32):
+        killed.write_events([("Train/Samples/loss", 1.0 / samples, samples), ("Train/Samples/lr", 0.1, samples)])
+    resumed = csvMonitor(config)
+    metrics = MetricsLogger(engine=SimpleNamespace(monitor=SimpleNamespace(csv_monitor=resumed)), output_dir=tmp_path,
+                            seq_len=8, rank=0)
+    metrics.purge_monitors_after(16)
+    resumed.write_events([("Train/Samples/loss", 0.5, 24)])
+    assert (tmp_path / "run" / "Train_Samples_loss.csv").read_text().splitlines() == [
+        "step,loss", "8,0.125", "16,0.0625", "24,0.5"]
+    assert (tmp_path / "run" / "Train_Samples_lr.csv").read_text().splitlines() == ["step,lr", "8,0.1", "16,0.1"]
 
 
 def test_a_resume_drops_the_records_after_its_checkpoint_and_a_line_a_kill_cut_short(tmp_path):

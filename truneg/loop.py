@@ -71,7 +71,7 @@ def start_state(cfg: RunConfig, engine, blocks, tokenizer, resume: checkpoint.Re
             print(f"truneg: resumed from {resume.checkpoint_dir} at step {step}", flush=True)
     # Records a killed run wrote after its last checkpoint (or before its first) are not history.
     metrics.truncate_after(engine.global_steps)
-    metrics.purge_tensorboard_after(int(engine.global_samples))
+    metrics.purge_monitors_after(int(engine.global_samples))
     batches = MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed, cfg.max_predictions,
                             cfg.data_workers, pin_memory=engine.device.type == "cuda")
     return TrainState(sampler, batches, metrics, rank, world_size)

@@ -117,10 +117,9 @@ class MetricsLogger:
         record["skipped_steps"] = int(self.engine.skipped_steps)  # DeepSpeed's own: fp16/bf16 overflow
         record["samples_per_sec"] = totals["samples"] / elapsed if elapsed > 0 else math.nan
         record["tokens_per_sec"] = record["samples_per_sec"] * self.seq_len
-        if self.rank == 0:
-            self.engine.monitor.write_events(
-                [(f"Train/Samples/{k}", v, record["samples"]) for k, v in record.items() if k not in ("step", "samples")]
-            )
+        if self.rank == 0:  # lr and loss_scale: DeepSpeed's engine writes them itself at every step
+            self.engine.monitor.write_events([(f"Train/Samples/{k}", v, record["samples"]) for k, v in record.items()
+                                              if k not in ("step", "samples", "lr", "loss_scale")])
             with open(self.jsonl, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
         self.keys, self.sums, self.micro_steps, self.nonfinite_steps, self.interval_samples = [], None, 0, 0, 0
@@ -136,11 +135,23 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         tmp.replace(self.jsonl)
 
-    def purge_tensorboard_after(self, samples: int) -> None:
-        """Reopen DeepSpeed's tensorboard writer with a purge step, so that events the interrupted run wrote
-        after the checkpoint are hidden instead of doubled."""
+    def purge_monitors_after(self, samples: int) -> None:
+        """Hide, rather than double, the events the interrupted run wrote after the checkpoint: DeepSpeed's
+        tensorboard writer reopens with a purge step, and its csv files lose those rows (it appends, and a new
+        process would write each file's header again)."""
+        if self.rank != 0:
+            return
+        csv_monitor = getattr(self.engine.monitor, "csv_monitor", None)
+        if csv_monitor is not None and csv_monitor.enabled:
+            for path in sorted(Path(csv_monitor.log_dir).glob("*.csv")):
+                header, *rows = path.read_text(encoding="utf-8").splitlines()
+                kept = [row for row in rows if row.partition(",")[0].isdigit() and int(row.partition(",")[0]) <= samples]
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text("".join(line + "\n" for line in [header, *kept]), encoding="utf-8")
+                tmp.replace(path)
+                csv_monitor.filenames.append(path.stem)  # its header is there
         tb = getattr(self.engine.monitor, "tb_monitor", None)
-        if self.rank != 0 or tb is None or tb.summary_writer is None:
+        if tb is None or tb.summary_writer is None:
             return
         from torch.utils.tensorboard import SummaryWriter
 
