@@ -146,3 +146,22 @@ def test_sentence_sr_reuses_the_masked_encoding_and_is_zero_for_identical_senten
     calls.clear()
     _, stats = model(**batch)
     assert len(calls) == 3 and stats["sr_loss"].item() > 1e-6
+
+
+def test_word_sr_leaves_out_a_predicted_pad():
+    """[PAD]'s row is tiny but not zero once the tied head has moved it: SR would pull it with a gradient of
+    about 1 / |row|. A predicted [PAD] is left out; the other positions keep their mean."""
+    model = build_pretrainer("electra-tiny", ObjectiveConfig(sr="word"))
+    pad = model.word_embeddings.padding_idx
+    with torch.no_grad():
+        model.word_embeddings.weight[pad] = 1e-4
+    gold, pred = torch.tensor([[2000, 2001, 2002]]), torch.tensor([[2100, pad, 2102]])
+    valid = torch.ones_like(gold, dtype=torch.bool)
+    stats = {}
+    total = model.add_soft_regularization(torch.zeros(()), stats, gold, pred, valid, None)
+    total.backward()
+    from truneg.objectives import soft_regularization
+
+    expected = soft_regularization(model.word_embeddings.weight.detach(), gold[:, [0, 2]], pred[:, [0, 2]])
+    assert torch.allclose(stats["sr_loss"], expected)
+    assert model.word_embeddings.weight.grad.to_dense()[pad].abs().max() == 0

@@ -152,7 +152,10 @@ class _Pretrainer(nn.Module):
         if self.objective.sr == "none":
             return loss
         if self.objective.sr == "word":
-            sr = soft_regularization(self.word_embeddings.weight, gold, pred, valid)
+            # [PAD]'s row is not trained through lookups and stays near zero, where the cosine's gradient grows
+            # like 1 / |row|: a predicted [PAD] is left out (the objective itself leaves out an exact zero row)
+            pad = self.word_embeddings.padding_idx
+            sr = soft_regularization(self.word_embeddings.weight, gold, pred, valid if pad is None else valid & (pred != pad))
         else:
             sr = sentence_regularization(*sentence_pair())
         stats["sr_loss"] = sr.detach()
