@@ -114,22 +114,24 @@ def test_a_stop_signal_to_the_process_group_leaves_the_workers_feeding_the_rank(
     and save (its own handler only sets a flag), so the workers must not die of the signal."""
     child = tmp_path / "rank.py"
     child.write_text(textwrap.dedent("""
-        import os, signal
+        import multiprocessing, os, signal
         import numpy as np
         from truneg.data import ResumableSampler, load_tokenizer
         from truneg.masking import MaskedBatches
-        received = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda s, f: received.append(s))  # as truneg.loop.StopSignal
-        blocks = np.random.default_rng(0).integers(1000, 30000, (64, 16)).astype(np.int32)
-        batches = MaskedBatches(blocks, ResumableSampler(64, 4, 1, 0, seed=3), load_tokenizer(), "bert", seed=0,
-                                max_predictions=4, workers=2)
-        next(batches), next(batches)  # one from each worker: both are running
-        os.killpg(0, signal.SIGTERM)
-        os.killpg(0, signal.SIGINT)
-        for _ in range(30):  # more than the workers had read ahead
-            next(batches)
-        print("signals", sorted(received))
+        if __name__ == "__main__":
+            multiprocessing.set_start_method("forkserver")  # Python 3.14's default on Linux: it must not matter
+            received = []
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda s, f: received.append(s))  # as truneg.loop.StopSignal
+            blocks = np.random.default_rng(0).integers(1000, 30000, (64, 16)).astype(np.int32)
+            batches = MaskedBatches(blocks, ResumableSampler(64, 4, 1, 0, seed=3), load_tokenizer(), "bert", seed=0,
+                                    max_predictions=4, workers=2)
+            next(batches), next(batches)  # one from each worker: both are running
+            os.killpg(0, signal.SIGTERM)
+            os.killpg(0, signal.SIGINT)
+            for _ in range(30):  # more than the workers had read ahead
+                next(batches)
+            print("signals", sorted(received))
     """))
     proc = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=120,
                           start_new_session=True)

@@ -474,6 +474,19 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
         assert printed["gradient accumulation"] == accumulation and printed["global batch"] == "16384"
     assert preflight.run([*argv, "--launcher-args=--include node-02:0,1@node-04"]) == 2
     assert "does not split over 10 ranks" in capsys.readouterr().err
+    # without a hostfile, deepspeed reads CUDA_VISIBLE_DEVICES as --include, or drops it for a GPU filter; the
+    # options are split on whitespace as the scripts' unquoted ${LAUNCHER_ARGS} is; launcher names as it lowers them
+    from truneg.hostfile import launched_resources
+
+    assert launched_resources({}, 2, "", "4,5") == ({"localhost": 2}, None)
+    assert launched_resources({}, 8, "--launcher PDSH --num_gpus 2") == ({"localhost": 2}, "pdsh")
+    for launcher_args, said in (("--exclude localhost:0", "ignores CUDA_VISIBLE_DEVICES=4,5"),
+                                ("--num_nodes 1", "refuses --num_nodes/--num_gpus with CUDA_VISIBLE_DEVICES=4,5")):
+        with pytest.raises(UserError, match=said):
+            launched_resources({}, 2, launcher_args, "4,5")
+    assert launched_resources({"a": 8}, 2, "--num_gpus 2", "4,5") == ({"a": 2}, None)  # a hostfile: not read
+    with pytest.raises(UserError, match="Hostname"):
+        launched_resources({"a": 8}, 2, "--include 'a'")  # the quotes reach deepspeed as they are
     for launcher_args, said in (("--include node-09", "Hostname 'node-09' not found in hostfile"),
                                 ("--num_nodes 2 --exclude node-01", "--num_nodes/--num_gpus together with --include"),
                                 ("--frobnicate", "unrecognized arguments: --frobnicate")):

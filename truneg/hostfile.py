@@ -156,27 +156,38 @@ def check_ssh(hosts: list[str], timeout_s: int = 10) -> list[str]:
     return problems
 
 
-def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: str) -> tuple[dict[str, int], str | None]:
+def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: str,
+                       visible_devices: str = "") -> tuple[dict[str, int], str | None]:
     """The nodes and GPU counts `deepspeed` itself would start for these options, and the launcher they name
     (None when they do not name one): the hostfile's slots (or this machine's GPUs without one) narrowed by
-    --include/--exclude, --num_nodes and --num_gpus, with DeepSpeed's own parser and filters."""
+    --include/--exclude, --num_nodes and --num_gpus, with DeepSpeed's own parser and filters. The options are
+    split on whitespace as the launch scripts' unquoted ${LAUNCHER_ARGS} is (quotes reach deepspeed as they
+    are). `visible_devices`: CUDA_VISIBLE_DEVICES, which deepspeed reads only without a hostfile."""
     import contextlib
     import io
-    import shlex
 
     from deepspeed.launcher import runner
 
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            options = runner.parse_args([*shlex.split(launcher_args), "pretrain.py"])
+            options = runner.parse_args([*launcher_args.split(), "pretrain.py"])
             default = runner.parse_args(["pretrain.py"])
     except (SystemExit, ValueError) as err:
         reason = (said.getvalue().strip().splitlines() or [str(err)])[-1].split("error: ", 1)[-1]
         raise UserError(f"LAUNCHER_ARGS {launcher_args!r}: {reason}; see deepspeed --help") from None
+    launcher = options.launcher.lower() if options.launcher != default.launcher else None
     if (options.num_nodes >= 0 or options.num_gpus >= 0) and (options.include or options.exclude):
         raise UserError("LAUNCHER_ARGS: deepspeed refuses --num_nodes/--num_gpus together with --include/--exclude; "
                         "use one or the other")
+    if not hosts and visible_devices:  # deepspeed turns it into --include localhost:..., or drops it
+        if options.include or options.exclude or options.num_nodes > 1 or options.num_gpus > 0:
+            raise UserError(f"deepspeed ignores CUDA_VISIBLE_DEVICES={visible_devices} when LAUNCHER_ARGS picks GPUs "
+                            "(--include/--exclude/--num_gpus/--num_nodes) and uses every GPU: unset one of the two")
+        if options.num_nodes >= 0 or options.num_gpus >= 0:
+            raise UserError(f"deepspeed refuses --num_nodes/--num_gpus with CUDA_VISIBLE_DEVICES={visible_devices} "
+                            "(it reads the variable as --include); drop them from LAUNCHER_ARGS")
+        return {"localhost": len(visible_devices.split(","))}, launcher
     if options.num_nodes > 1 and not hosts:
         raise UserError(f"LAUNCHER_ARGS: --num_nodes {options.num_nodes} without a hostfile; name the nodes in one")
     pool = dict(hosts) or {"localhost": local_gpus}
@@ -185,7 +196,6 @@ def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: st
     except ValueError as err:
         raise UserError(f"LAUNCHER_ARGS: {err}") from None
     active = runner.apply_num_nodes_and_gpus(active, options.num_nodes, options.num_gpus)
-    launcher = options.launcher if options.launcher != default.launcher else None
     return {host: len(slots) for host, slots in active.items() if slots}, launcher
 
 

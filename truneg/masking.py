@@ -12,6 +12,7 @@ resume, independent of the world size.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import signal
 import weakref
 from collections.abc import Sequence
@@ -155,6 +156,9 @@ class MaskedBatches:
                 # shifting dropout and Gumbel noise (masking itself needs no torch RNG)
                 generator=torch.Generator().manual_seed(seed),
                 worker_init_fn=_leave_stop_signals_to_the_rank,
+                # fork, as Python before 3.14 did on Linux: under forkserver (3.14's default) the workers' parent
+                # is the fork server, which a SIGTERM to the process group kills, and the workers with it
+                multiprocessing_context="fork" if "fork" in multiprocessing.get_all_start_methods() else None,
             )
             self._it = iter(loader)
             # the workers ignore SIGTERM, so they are stopped here before multiprocessing's exit handler sends

@@ -12,6 +12,7 @@ pretrain.py's start-up calls, before deepspeed.init_distributed:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -308,7 +309,7 @@ def run(argv: list[str] | None = None) -> int:
     local_gpus = max(torch.cuda.device_count() if local is not None else 1, 1)  # this machine's GPUs
     launcher = args.launcher
     try:
-        hosts, named = launched_resources(hosts, local_gpus, args.launcher_args)
+        hosts, named = launched_resources(hosts, local_gpus, args.launcher_args, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         launcher = named or launcher
     except UserError as err:
         problems.append(str(err))
