@@ -50,11 +50,11 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
     import truneg.export
     import truneg.glue
     from truneg import ablation
+    from truneg.errors import UserError
 
     (tmp_path / "glue" / "MRPC").mkdir(parents=True)
     (tmp_path / "glue" / "MRPC" / "train.tsv").write_text("")
     launched = []
-    monkeypatch.setattr(ablation, "pretrain", lambda variant, args, out: launched.append(variant))
     monkeypatch.setattr(truneg.export, "export", lambda *a, **k: None)
     monkeypatch.setattr(truneg.glue, "finetune", lambda *a, **k: {"accuracy": 0.75, "f1": 0.8})
     args = argparse.Namespace(tasks="mrpc", glue_dir=str(tmp_path / "glue"), output_dir=str(tmp_path / "out"), steps=6,
@@ -64,6 +64,16 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
         checkpoints.mkdir(parents=True)
         if step:
             (checkpoints / "latest").write_text(f"global_step{step}")
+    def pretrained(variant, args, out):  # as a run that reaches --steps writes it
+        launched.append(variant)
+        (out / "checkpoints" / "latest").write_text(f"global_step{args.steps}")
+
+    monkeypatch.setattr(ablation, "pretrain", pretrained)
     report = ablation.run_ablation(args)
     assert launched == ["HC", "HC+SR"]
     assert report["scores"]["baseline"] == {"mrpc": 75.0}
+    # a pre-training that a signal stopped early (it exits 0) is said, not exported
+    (tmp_path / "out" / "SR" / "checkpoints" / "latest").write_text("global_step2")
+    monkeypatch.setattr(ablation, "pretrain", lambda variant, args, out: None)
+    with pytest.raises(UserError, match="pre-training SR stopped at global_step2, short of --steps 6"):
+        ablation.run_ablation(args)

@@ -124,6 +124,9 @@ def test_a_resume_drops_the_csv_monitor_rows_after_its_checkpoint(tmp_path, monk
     killed = csvMonitor(config)
     for samples in (8, 16, 24, 32):
         killed.write_events([("Train/Samples/loss", 1.0 / samples, samples), ("Train/Samples/lr", 0.1, samples)])
+    with open(tmp_path / "run" / "Train_Samples_lr.csv", "a") as torn:
+        torn.write("40,0.")  # a kill during the append
+    (tmp_path / "run" / "Train_Samples_empty.csv").write_text("")  # killed between the open and the header
     resumed = csvMonitor(config)
     metrics = MetricsLogger(engine=SimpleNamespace(monitor=SimpleNamespace(csv_monitor=resumed)), output_dir=tmp_path,
                             seq_len=8, rank=0)
@@ -132,6 +135,7 @@ def test_a_resume_drops_the_csv_monitor_rows_after_its_checkpoint(tmp_path, monk
     assert (tmp_path / "run" / "Train_Samples_loss.csv").read_text().splitlines() == [
         "step,loss", "8,0.125", "16,0.0625", "24,0.5"]
     assert (tmp_path / "run" / "Train_Samples_lr.csv").read_text().splitlines() == ["step,lr", "8,0.1", "16,0.1"]
+    assert not (tmp_path / "run" / "Train_Samples_empty.csv").exists()
 
 
 def test_a_resume_drops_the_records_after_its_checkpoint_and_a_line_a_kill_cut_short(tmp_path):

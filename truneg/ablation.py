@@ -79,6 +79,10 @@ def run_ablation(args) -> dict:
         latest = latest_tag(run_dir / "checkpoints")
         if latest is None or step_of_tag(latest) != args.steps:  # not run, or cut short: it resumes
             pretrain(variant, args, run_dir)
+            latest = latest_tag(run_dir / "checkpoints")
+            if latest is None or step_of_tag(latest) != args.steps:  # a stop signal ends a run early, with status 0
+                raise UserError(f"pre-training {variant} stopped at {latest or 'no checkpoint'}, short of --steps "
+                                f"{args.steps}; run the same ablation again to continue it")
         export(run_dir / "checkpoints", run_dir / "hf")
         scores[variant] = {}
         for task in tasks:

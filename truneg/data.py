@@ -60,14 +60,17 @@ def pack_blocks(flat_ids: np.ndarray, seq_len: int, cls_id: int, sep_id: int) ->
 
 
 def _allow_open_files(needed: int) -> None:
+    """Raise the soft limit on open files to the hard one when `needed` (plus what NCCL, CUDA and the
+    DataLoader's shared tensors take: 1024) does not fit under it."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
+    wanted = needed + 1024
+    if soft != resource.RLIM_INFINITY and soft < wanted:
         if hard != resource.RLIM_INFINITY and hard < needed:
             raise UserError(f"the corpus needs about {needed} open files (one per shard) and this process may open "
-                            f"{hard}; raise the hard limit (ulimit -Hn {needed}, or the scheduler's or limits.conf's nofile)")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+                            f"{hard}; raise the hard limit (ulimit -Hn {wanted}, or the scheduler's or limits.conf's nofile)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else hard, hard))
 
 
 class PreparedBlocks:
@@ -90,7 +93,7 @@ class PreparedBlocks:
         """Each mapping holds an open file: a corpus at the paper's scale has thousands of shards, past the
         usual soft limit of 1024 open files, so the soft limit is raised to what they need (up to the hard one)."""
         dtype, shards = np.dtype(self.index["dtype"]), [s for s in self.index["shards"] if s["blocks"]]
-        _allow_open_files(len(shards) + 256)
+        _allow_open_files(len(shards))
         self._shards = [np.memmap(self.folder / s["file"], dtype=dtype, mode="r", shape=(s["blocks"], self.seq_len))
                         for s in shards]
         self._offsets = np.concatenate([[0], np.cumsum([s["blocks"] for s in shards])]).astype(np.int64)

@@ -170,6 +170,7 @@ def train(cfg: RunConfig, engine, state: TrainState) -> None:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
     counts_nonfinite = not engine.fp16_enabled()  # in fp16 the loss scaler owns overflow
     started, start_step = time.perf_counter(), engine.global_steps
+    state.metrics.interval_start = started  # the throughput counts training, not the start-up or a resume's load
     step = start_step
     while step < cfg.max_steps:
         stop_requested, skipped = train_step(engine, state, stop, guard, inject)

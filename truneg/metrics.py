@@ -144,10 +144,13 @@ class MetricsLogger:
         csv_monitor = getattr(self.engine.monitor, "csv_monitor", None)
         if csv_monitor is not None and csv_monitor.enabled:
             for path in sorted(Path(csv_monitor.log_dir).glob("*.csv")):
-                header, *rows = path.read_text(encoding="utf-8").splitlines()
-                kept = [row for row in rows if row.partition(",")[0].isdigit() and int(row.partition(",")[0]) <= samples]
+                lines = path.read_text(encoding="utf-8").splitlines()
+                if not lines or not lines[0].startswith("step,"):
+                    path.unlink()  # empty or torn at its start by a kill: written anew, header first
+                    continue
+                kept = [row for row in lines[1:] if _csv_step(row) <= samples]
                 tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text("".join(line + "\n" for line in [header, *kept]), encoding="utf-8")
+                tmp.write_text("".join(line + "\n" for line in [lines[0], *kept]), encoding="utf-8")
                 tmp.replace(path)
                 csv_monitor.filenames.append(path.stem)  # its header is there
         tb = getattr(self.engine.monitor, "tb_monitor", None)
@@ -158,3 +161,13 @@ class MetricsLogger:
         log_dir = tb.summary_writer.log_dir
         tb.summary_writer.close()
         tb.summary_writer = SummaryWriter(log_dir=log_dir, purge_step=samples + 1)
+
+
+def _csv_step(row: str) -> float:
+    """A csv monitor row's step; a row a kill cut short (no value, or not a number) sorts after every step."""
+    step, _, value = row.partition(",")
+    try:
+        float(value)
+        return int(step)
+    except ValueError:
+        return float("inf")
