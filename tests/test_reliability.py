@@ -350,6 +350,14 @@ def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launc
     assert [proc.returncode for proc in nodes] == [0, 0], outputs[0][-3000:]
     assert "resumed from" in outputs[0]
     assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir))
+    # The nodes find different checkpoints to resume from (here told so; a stale copy of `latest` on one node
+    # would do the same): every rank stops with one line before loading anything.
+    resumes = [[*args, "--resume", str(out / "checkpoints" / tag)] for tag in ("global_step16", "global_step24")]
+    nodes = launch_nodes(free_port(), resumes)
+    outputs = [proc.communicate(timeout=300)[0] for proc in nodes]
+    assert [proc.returncode for proc in nodes] == [2, 2], outputs[0][-3000:]
+    for output in outputs:
+        assert "the ranks found different checkpoints to resume from" in output and "step 16 to step 24" in output
 
 
 def test_a_failed_rank_exit_code_passes_through_the_launchers(tmp_path, launch_env):

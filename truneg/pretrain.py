@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # 2. Processes: one per device, gloo on the CPU; every node must see the same output folder.
     rank, world_size = distributed.init_distributed()
-    run_dir.check_shared_output_dir(cfg.output_dir, rank, world_size)
+    run_dir.check_shared_output_dir(cfg.output_dir, rank, world_size,
+                                    checkpoint.step_of_tag(start.resume.tag) if start.resume else -1)
 
     # 3. Data: the memory-mapped blocks on every rank.
     blocks, data_record = build.open_blocks(cfg, start.tokenizer)

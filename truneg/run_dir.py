@@ -105,10 +105,12 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
     on_rank_zero(record, f"record this run in {run_file}")
 
 
-def check_shared_output_dir(output_dir: Path, rank: int, world_size: int) -> None:
+def check_shared_output_dir(output_dir: Path, rank: int, world_size: int, resume_step: int = -1) -> None:
     """Every rank reads back a file that rank 0 wrote in --output-dir. A node with a folder of its own
     (node-local storage) would find no checkpoint and start afresh while rank 0 resumes: the run would hang
-    or silently diverge. Stops on every rank with one line."""
+    or silently diverge. Then every rank must have found the same checkpoint to resume from (`resume_step`,
+    -1 for none): a `latest` rewritten while the ranks started, or a node's stale cached copy of it, would
+    load shards of different steps. Stops on every rank with one line."""
     if world_size == 1:
         return
     from deepspeed.accelerator import get_accelerator
@@ -135,3 +137,14 @@ def check_shared_output_dir(output_dir: Path, rank: int, world_size: int) -> Non
             f"{int(blind.item())} of {world_size} ranks do not see {output_dir} as rank 0 wrote it: "
             "--output-dir must be one folder every node shares (NFS, Lustre, ...), not node-local storage"
         )
+    steps = torch.tensor([resume_step, -resume_step], dtype=torch.int64, device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    highest, lowest = int(steps[0].item()), -int(steps[1].item())
+    if highest != lowest:
+        raise UserError(f"the ranks found different checkpoints to resume from in {output_dir} ({_step(lowest)} to "
+                        f"{_step(highest)}; this rank: {_step(resume_step)}): `latest` changed while they started, or "
+                        "a node sees a stale copy of the folder; start again once nothing else writes there")
+
+
+def _step(step: int) -> str:
+    return "none" if step < 0 else f"step {step}"
