@@ -1,0 +1,221 @@
+"""The launch scripts, the env file the other nodes read, and `truneg preflight`: what they pass, write and
+refuse. In-process or through the scripts with a stand-in deepspeed; CPU only."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from truneg import preflight
+from truneg.errors import UserError
+from truneg.hostfile import launch_env, write_env_file
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_env_file_carries_the_variables_deepspeed_does_not_forward(tmp_path, monkeypatch):
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("NCCL_SOCKET_IFNAME=ib0\nHF_HOME=/old\n")
+    environ = {"HOME": "/home/ann", "USER": "ann", "HF_HOME": "/shared/hf", "TRUNEG_CACHE": "/scratch/tok"}
+    values = launch_env(environ)
+    assert values == {"TRUNEG_CACHE": "/scratch/tok", "HF_HOME": "/shared/hf",
+                      "NLTK_DATA": f"{sys.prefix}/share/nltk_data", "TORCH_EXTENSIONS_DIR": "/tmp/torch_extensions_ann"}
+    path = tmp_path / "run" / "deepspeed_env"
+    write_env_file(path, values, carry_over=[tmp_path / ".deepspeed_env"])
+    lines = path.read_text().splitlines()
+    assert lines == ["NCCL_SOCKET_IFNAME=ib0", "HF_HOME=/shared/hf", "TRUNEG_CACHE=/scratch/tok",
+                     f"NLTK_DATA={sys.prefix}/share/nltk_data", "TORCH_EXTENSIONS_DIR=/tmp/torch_extensions_ann"]
+    # as deepspeed/launcher/runner.py reads it, and as its runner exports it: nothing quoted or changed
+    runner = PDSHRunner.__new__(PDSHRunner)
+    runner.exports = {}
+    for line in path.read_text().splitlines(keepends=True):
+        key, val = line.split("=", maxsplit=1)
+        runner.add_export(key, val)
+    assert runner.exports == dict(line.split("=", 1) for line in lines)
+    with pytest.raises(UserError, match="HF_HOME"):
+        write_env_file(tmp_path / "bad", {"HF_HOME": "/my data/hf"}, carry_over=[])
+
+
+def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote_shell_would_mangle(tmp_path):
+    """DeepSpeed forwards NCCL_* only from a launching node with a GPU, exports a carried-over `#NAME=...` line
+    as `export #NAME=...;`, which comments out the rest of each node's command (the launch itself), and puts
+    other values in double quotes, inside which $, ` and \\ still act."""
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    from truneg.hostfile import forwarded_env
+
+    user = tmp_path / ".deepspeed_env"
+    user.write_text("# the cluster's NCCL settings\n#NCCL_DEBUG=INFO\n\nNCCL_SOCKET_IFNAME=^docker0,lo\nEMPTY=\n")
+    shell = {"NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "ib0", "TORCH_NCCL_BLOCKING_WAIT": "1",
+             "CUDA_HOME": "/usr/local/cuda", "HOME": "/home/ann", "SECRET": "x"}
+    path = tmp_path / "deepspeed_env"
+    written = write_env_file(path, {"HF_HOME": "/shared/hf"}, carry_over=[user], forwarded=forwarded_env(shell))
+    # the shell's NCCL settings and CUDA_HOME, the file's lines over them (as in DeepSpeed's runner), no comment
+    assert written == {"CUDA_HOME": "/usr/local/cuda", "NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "^docker0,lo",
+                       "TORCH_NCCL_BLOCKING_WAIT": "1", "EMPTY": "", "HF_HOME": "/shared/hf"}
+    runner = PDSHRunner.__new__(PDSHRunner)
+    runner.exports = {}
+    for line in path.read_text().splitlines(keepends=True):  # as deepspeed/launcher/runner.py reads the file
+        key, val = line.split("=", maxsplit=1)
+        runner.add_export(key, val)
+    assert not any(key.startswith("#") for key in runner.exports)
+    assert runner.exports["NCCL_SOCKET_IFNAME"] == '"^docker0,lo"'  # quoted by DeepSpeed, as it should be
+    (tmp_path / "bad_line").write_text("export NCCL_DEBUG=INFO\n")
+    with pytest.raises(UserError, match=r"bad_line:1: 'export NCCL_DEBUG=INFO' is not `NAME=value`"):
+        write_env_file(tmp_path / "out", {}, carry_over=[tmp_path / "bad_line"])
+    for value in ("$HOME/x", "a`b`", 'a"b', "a b"):
+        with pytest.raises(UserError, match="remote shell"):
+            write_env_file(tmp_path / "out", {"X": value}, carry_over=[])
+
+
+def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path):
+    stub = tmp_path / "deepspeed"
+    stub.write_text('#!/bin/sh\necho "DS_ENV_FILE=$DS_ENV_FILE"\necho "$@"\n')
+    stub.chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "TORCH_NCCL_", "CUDA_HOME"))},
+           "DEEPSPEED": str(stub), "PREFLIGHT": "0", "DATA": str(tmp_path), "HOME": str(tmp_path), "PYTHON": sys.executable}
+    missing = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], env=env, capture_output=True, text=True)
+    assert missing.returncode != 0 and "OUTPUT" in missing.stderr
+    out = tmp_path / "runs" / "small"
+    done = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh"), "--seed", "3"], env={**env, "OUTPUT": str(out)},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"DS_ENV_FILE={out}/deepspeed_env" in done.stdout
+    assert f"--output-dir {out} " in done.stdout and "electra_small_v100_fp16_zero2.json" in done.stdout
+    assert "--seed 3" in done.stdout and f"--hostfile {REPO}/launch/hosts" in done.stdout
+    keys = [line.split("=", 1)[0] for line in (out / "deepspeed_env").read_text().splitlines()]
+    assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR"]
+    # every recipe: its model, sequence length and config for the GPU, INIT where it continues, COMPILE=1
+    expect = {"bert_base.sh": ("bert-base", 512, "bert_base_continued_a100_bf16_zero1.json"),
+              "bert_large.sh": ("bert-large", 512, "bert_large_continued_a100_bf16_zero1.json"),
+              "electra_base.sh": ("electra-base", 512, "electra_base_continued_a100_bf16_zero1.json"),
+              "electra_small.sh": ("electra-small", 128, "electra_small_a100_bf16_zero1.json"),
+              "bert_large_scratch.sh": ("bert-large", 128, "bert_large_v100_fp16_lamb_zero0.json")}
+    for script, (model, seq, config) in expect.items():
+        env_gpu = {**env, "OUTPUT": str(out), "GPU": "h200", "COMPILE": "1"}
+        proc = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "3"], env=env_gpu, capture_output=True,
+                              text=True)
+        if seq == 512:
+            assert proc.returncode != 0 and "set INIT to an HF" in proc.stderr, script
+            proc = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "3"],
+                                  env={**env_gpu, "INIT": "/ckpt"}, capture_output=True, text=True)
+            assert "--init-from /ckpt" in proc.stdout, script
+        assert proc.returncode == 0, (script, proc.stderr)
+        assert f"--model {model} --seq-len {seq} --deepspeed_config {REPO}/ds_configs/{config} " in proc.stdout, script
+        tail = "--compile --init-from /ckpt --seed 3" if seq == 512 else "--compile --seed 3"
+        assert (REPO / "ds_configs" / config).is_file() and proc.stdout.rstrip().endswith(tail), proc.stdout
+    # each node activates the venv (ninja for the JIT builds); HOSTFILE=local: this machine only, no env file
+    assert f"--hostfile {REPO}/launch/hosts --venv_script {Path(sys.executable).parent}/activate " in done.stdout
+    local_out = tmp_path / "runs" / "local"
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")],
+                          env={**env, "OUTPUT": str(local_out), "HOSTFILE": "local"}, capture_output=True, text=True)
+    assert proc.returncode == 0 and "--hostfile" not in proc.stdout and "--venv_script" not in proc.stdout, proc.stderr
+    assert not (local_out / "deepspeed_env").exists()
+    # relative paths become absolute: each node's shell starts where this one is, or in its home folder
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "OUTPUT": str(out), "DATA": "corpus", "HC": "my.npz", "SR": "word"})
+    assert f"--train-data {tmp_path}/corpus " in proc.stdout and f"--hc {tmp_path}/my.npz --sr word" in proc.stdout
+    # the preflight is told LAUNCHER_ARGS (its launcher and node filters), and nothing about hosts with local
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$2" = truneg.preflight ]; then echo "PREFLIGHT $*"; exit 0; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    for extra, expected in (({}, "--launcher-args= --model"),
+                            ({"LAUNCHER_ARGS": "--launcher openmpi"}, "--launcher-args=--launcher openmpi --model"),
+                            ({"LAUNCHER_ARGS": "--num_nodes 2", "HOSTFILE": "local"}, "--launcher-args=--num_nodes 2")):
+        proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], capture_output=True, text=True,
+                              env={**env, "OUTPUT": str(out), "PYTHON": str(python), "PREFLIGHT": "1", **extra})
+        preflight_line = next(line for line in proc.stdout.splitlines() if line.startswith("PREFLIGHT"))
+        assert expected in preflight_line, preflight_line
+        assert ("--hostfile" in preflight_line) == ("HOSTFILE" not in extra), preflight_line
+
+
+def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(preflight, "_NODE_LOCAL", ("/tmp/node-local",))  # tmp_path stands for shared storage
+    monkeypatch.setattr(preflight.ds_config, "local_capability", lambda: None)  # as on a node without a GPU
+    stubs, bare = tmp_path / "bin", tmp_path / "bare"  # DeepSpeed's multi-node launcher needs pdsh
+    stubs.mkdir()
+    bare.mkdir()
+    (stubs / "pdsh").write_text("#!/bin/sh\n")
+    (stubs / "pdsh").chmod(0o755)
+    monkeypatch.setenv("PATH", str(stubs))
+    out = tmp_path / "shared" / "run"
+    argv = ["--hostfile", str(REPO / "launch" / "hosts"), "--gpu-arch", "sm70", "--model", "bert-large",
+            "--deepspeed_config", str(REPO / "ds_configs" / "bert_large_v100_fp16_lamb_zero0.json"),
+            "--output-dir", str(out), "--max-steps", "15625", "--save-steps", "2000", "--keep-checkpoints", "3"]
+    assert preflight.run(argv) == 0
+    printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if not line.startswith("note"))
+    assert printed["world size"] == "32" and printed["global batch"] == "16384"
+    assert printed["micro-batch"] == "32" and printed["gradient accumulation"] == "16"
+    assert printed["precision"] == "fp16 (sm_70)" and printed["ZeRO stage"] == "0"
+    assert printed["optimizer"].startswith("Lamb (FusedLamb)") and printed["warmup"] == "312"
+    assert printed["tokens seen"] == f"{15625 * 16384 * 128:,}"
+    assert printed["checkpoint size"].startswith("4.7 GB") and printed["checkpoints kept"].startswith("3 of 7")
+    assert not out.exists()  # nothing written
+    lamb_zero2 = tmp_path / "lamb_zero2.json"
+    lamb_zero2.write_text(json.dumps({**json.loads((REPO / "ds_configs" / "bert_large_v100_fp16_lamb_zero0.json").read_text()),
+                                       "zero_optimization": {"stage": 2}}))
+    bad = ["--hostfile", str(REPO / "launch" / "hosts"), "--gpu-arch", "sm70", "--model", "bert-large",
+           "--deepspeed_config", str(lamb_zero2), "--output-dir", "/tmp/node-local/run", "--train-data", str(tmp_path / "none")]
+    assert preflight.run(bad) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 3 and all(line.startswith("truneg: error: ") for line in errors)
+    assert "FusedLamb" in errors[0] and "node-local" in errors[1] and "no text files" in errors[2]
+    # over several nodes with pdsh: no pdsh, and a glob each node's shell would expand on its own (`**` as `*`)
+    monkeypatch.setenv("PATH", str(bare))
+    (tmp_path / "corpus" / "a").mkdir(parents=True)
+    (tmp_path / "corpus" / "a" / "x.txt").write_text("text\n")
+    glob = ["--hostfile", str(REPO / "launch" / "hosts"), "--gpu-arch", "sm70", "--output-dir", str(out),
+            "--train-data", str(tmp_path / "corpus" / "**" / "*.txt")]
+    assert preflight.run(glob) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and "pdsh is not installed" in errors[0] and "is a glob" in errors[1]
+    assert preflight.run([*glob, "--launcher", "openmpi"]) == 0  # which passes arguments on through no shell
+    assert preflight.run([*glob, "--launcher-args=--launcher=slurm"]) == 0  # LAUNCHER_ARGS, as the scripts pass it
+    capsys.readouterr()
+    # LAUNCHER_ARGS' node filters change the world size as deepspeed's runner applies them; one node needs no pdsh
+    for launcher_args, world, accumulation in (("--num_nodes=1 --num_gpus 4", "4", "128"), ("--num_nodes 2", "16", "32"),
+                                               ("--include node-02:0,1,2,3@node-04:4,5,6,7", "8", "64")):
+        assert preflight.run([*argv, f"--launcher-args={launcher_args}"]) == 0, capsys.readouterr().err
+        monkeypatch.setenv("PATH", str(stubs))
+        printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if not line.startswith("note"))
+        assert printed["world size"] == world, launcher_args
+        assert printed["gradient accumulation"] == accumulation and printed["global batch"] == "16384"
+    assert preflight.run([*argv, "--launcher-args=--include node-02:0,1@node-04"]) == 2
+    assert "does not split over 10 ranks" in capsys.readouterr().err
+    # without a hostfile, deepspeed reads CUDA_VISIBLE_DEVICES as --include, or drops it for a GPU filter; the
+    # options are split on whitespace as the scripts' unquoted ${LAUNCHER_ARGS} is; launcher names as it lowers them
+    from truneg.hostfile import launched_resources
+
+    assert launched_resources({}, 2, "", "4,5") == ({"localhost": 2}, None)
+    assert launched_resources({}, 8, "--launcher PDSH --num_gpus 2") == ({"localhost": 2}, "pdsh")
+    for launcher_args, said in (("--exclude localhost:0", "ignores CUDA_VISIBLE_DEVICES=4,5"),
+                                ("--num_nodes 1", "refuses --num_nodes/--num_gpus with CUDA_VISIBLE_DEVICES=4,5")):
+        with pytest.raises(UserError, match=said):
+            launched_resources({}, 2, launcher_args, "4,5")
+    assert launched_resources({"a": 8}, 2, "--num_gpus 2", "4,5") == ({"a": 2}, None)  # a hostfile: not read
+    with pytest.raises(UserError, match="Hostname"):
+        launched_resources({"a": 8}, 2, "--include 'a'")  # the quotes reach deepspeed as they are
+    for launcher_args, said in (("--include node-09", "Hostname 'node-09' not found in hostfile"),
+                                ("--num_nodes 2 --exclude node-01", "--num_nodes/--num_gpus together with --include"),
+                                ("--frobnicate", "unrecognized arguments: --frobnicate")):
+        assert preflight.run([*argv, f"--launcher-args={launcher_args}"]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("truneg: error: LAUNCHER_ARGS") and said in line, line
+    bf16 = ["--gpu-arch", "sm70", "--deepspeed_config", str(REPO / "ds_configs" / "electra_base_a100_bf16_zero3.json"),
+            "--output-dir", str(out)]
+    assert preflight.run(bf16) == 2 and "only emulates" in capsys.readouterr().err
+    # GPU=v100 (the scripts' default) on an H100 node: said as such, first, not as a torch build without sm_70
+    monkeypatch.setattr(preflight.ds_config, "local_capability", lambda: (9, 0))
+    v100 = ["--gpu-arch", "sm70", "--deepspeed_config", str(REPO / "ds_configs" / "bert_large_v100_fp16_zero2.json"),
+            "--output-dir", str(out)]
+    assert preflight.run(v100) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert "--gpu-arch sm70 (the launch scripts' GPU=...) but this node's GPU is sm_90: set GPU" in first, first
+    assert preflight.run(["--gpu-arch", "sm90", *v100[2:]]) == 0  # the same run, told the right GPU
