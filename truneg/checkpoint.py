@@ -308,7 +308,10 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
                 return {name: value.float() for name, value in states["module"].items()}
             bf16_partitions = sorted(checkpoint_dir.joinpath(tag).glob(f"{BF16_PARTITION}*_optim_states.pt"),
                                      key=lambda f: int(f.name.removeprefix(BF16_PARTITION).split("_")[0]))
-            if bf16_partitions:
+            # DeepSpeed names every bf16 run's partitions so; only BF16_Optimizer's lack the ZeRO stage
+            # zero_to_fp32 reads (a bf16 run without fp32 accumulation has ZeRO's own optimizer)
+            if bf16_partitions and "zero_stage" not in torch.load(
+                    bf16_partitions[0], map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]:
                 return _bf16_optimizer_weights(states, bf16_partitions)
             del states
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
