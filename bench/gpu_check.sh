@@ -8,15 +8,21 @@
 #   1. every shipped GPU config (ds_configs/*.json but cpu_*) starts and takes 10 steps on a tiny model;
 #   2. save, kill -9, resume: losses within 1e-5 relative of an uninterrupted run, CUDA RNG in the checkpoint;
 #   3. one BERT-large HC+SR step under torch.cuda.set_sync_debug_mode("warn"): host syncs per phase;
-#   4. BERT-large seq 128 bf16: ZeRO-1 vs ZeRO-3, with and without HC+SR, --compile for ZeRO-1 HC+SR;
-#      ELECTRA-base baseline and HC+SR: samples/s, MFU (989 TFLOP/s and a bf16 GEMM measured here), peak memory.
-# Stages 1-3 run side by side (they count, not time); stage 4 alone. The fused optimizers' JIT builds start
-# first, in the background.
+#   4. BERT-large seq 128 bf16: ZeRO-1 vs ZeRO-3, with and without HC+SR, --compile for ZeRO-1 HC+SR (last);
+#      ELECTRA-base baseline and HC+SR: samples/s, MFU (989 TFLOP/s and a bf16 GEMM measured here), peak memory;
+#   5. (only when named in STAGES, and first) bench/gpu_zero_stages.py --host-bound --profile: is the step
+#      bound by the host? Its output goes to $OUT/zero_stages.log, its RATE/MEMORY/PROFILE/RESULT lines to the
+#      summary. Not in the CPU dry run (CUDA only).
+# Stages 1-3 run side by side (they count, not time); stages 5 and 4 alone, after the fused optimizers' JIT
+# builds (started first, in the background: FusedAdam, and FusedLamb when stage 1 runs) have finished.
+# The next GPU session's call (README, "GPU check"):
+#   OUT=$OUT WHEELS=.cache/gpu_wheels_h200 STAGES=5,3,4 BUDGET_S=540 STAGE5_TIMEOUT_S=330 bash bench/gpu_check.sh
 #
 # Environment: OUT (the summary goes to $OUT/gpu_check.txt and the logs to $OUT/gpu_check.log; OUT itself is
 # never deleted, and the summary only appended to), WHEELS (default .cache/gpu_wheels), PY (default python3;
 # .venv/bin/python for the dry run), BUDGET_S (the whole check; default 290, dry run 900), STAGES (default
-# 1,2,3,4), STAGE<N>_TIMEOUT_S (one stage's limit). Exit status 0 when every stage passed, else 1.
+# 1,2,3,4), STAGE<N>_TIMEOUT_S (one stage's limit), TORCH_EXTENSIONS_DIR (default one folder per machine,
+# so that a second call on a warm machine reuses the JIT builds). Exit status 0 when every stage passed, else 1.
 # No `set -e`: a stage that fails or times out is recorded and the next one runs.
 cd "$(dirname "$0")/.." || exit 2
 DRY=0
@@ -41,7 +47,7 @@ SUMMARY=$RESULTS/gpu_check.txt
 LOG=$RESULTS/gpu_check.log
 mkdir -p "$RESULTS" "$WORK"
 export TRUNEG_CACHE=$WORK/cache PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$WORK/torch_extensions}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/truneg_torch_extensions}
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 left() { echo $((BUDGET_S - SECONDS)); }
@@ -100,8 +106,9 @@ if [ $DRY = 0 ]; then
     note "JIT build $1 (sm ${TORCH_CUDA_ARCH_LIST}): $(status $?) in $((SECONDS - t0)) s"
   }
   prebuild FusedAdam & BUILDS+=($!)
-  prebuild FusedLamb & BUILDS+=($!)
+  case ",$STAGES," in *",1,"*) prebuild FusedLamb & BUILDS+=($!) ;; esac  # only the LAMB config takes it
 fi
+builds_done() { [ ${#BUILDS[@]} -gt 0 ] && wait "${BUILDS[@]}"; BUILDS=(); }  # before a stage that times
 
 run_stage() {  # run_stage N NAME DEFAULT_LIMIT_S SUBCOMMAND
   local n=$1 name=$2 sub=$4 limit_var="STAGE$1_TIMEOUT_S"
@@ -129,13 +136,32 @@ run_stage() {  # run_stage N NAME DEFAULT_LIMIT_S SUBCOMMAND
     for f in "$WORK/stage$n"/*.log; do [ -f "$f" ] && { echo "----- $f"; cat "$f"; }; done; } >> "$LOG" 2>/dev/null
 }
 
+# Stage 5, when named: whether the host sets the pace (bench/gpu_zero_stages.py), alone and first.
+case ",$STAGES," in *",5,"*)
+  if [ $DRY = 1 ]; then
+    note "stage 5 zero-stages: SKIPPED (CUDA only: bench/gpu_zero_stages.py)"
+  else
+    builds_done
+    limit=${STAGE5_TIMEOUT_S:-330}; [ "$limit" -gt "$(left)" ] && limit=$(left)
+    t0=$SECONDS
+    OUT=$RESULTS timeout -s KILL "$limit" "$PY" bench/gpu_zero_stages.py --host-bound --profile > "$RESULTS/zero_stages.log" 2>&1
+    rc=$?
+    grep -E '^(RATE|MEMORY|PROFILE|RESULT) ' "$RESULTS/zero_stages.log" | sed 's/^/  /' >> "$SUMMARY"
+    case $rc in 0) result=PASS ;; 124|137) result="TIMEOUT after $limit s" ;; *) result="FAIL (exit $rc)" ;; esac
+    case $rc in 124|137) "$PY" bench/gpu_check.py locks --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1 ;; esac
+    note "stage 5 zero-stages: $result in $((SECONDS - t0)) s (its log: $RESULTS/zero_stages.log)"
+    echo "$result" > "$WORK/status.5"
+  fi ;;
+esac
+
 # Stages 1-3 time nothing: side by side. Stage 4 times, so it runs alone.
 run_stage 1 configs 150 configs & S1=$!
 run_stage 2 resume 150 resume & S2=$!
 run_stage 3 syncs 150 syncs & S3=$!
 wait $S1 $S2 $S3
+case ",$STAGES," in *",4,"*) builds_done ;; esac
 run_stage 4 throughput 290 throughput
-[ ${#BUILDS[@]} -gt 0 ] && wait "${BUILDS[@]}"
+builds_done
 
 FAILED=$(cat "$WORK"/status.* 2>/dev/null | grep -vc '^PASS$')
 note "== done in ${SECONDS} s: $([ "$FAILED" = 0 ] && echo "every stage passed" || echo "$FAILED stage(s) did not pass"); work files in $WORK"

@@ -9,7 +9,7 @@ the same run. Prints samples/s and each one's ratio to the plain loop.
                                                     # against 64 x 4: does less host work per sample (or
                                                     # overlapped) raise samples/s?
     python bench/gpu_zero_stages.py --profile       # BERT-large ZeRO-1, the plain loop and ELECTRA-base ZeRO-1
-                                                    # under torch.profiler: the GPU's busy share of 3 steady
+                                                    # under torch.profiler: the GPU's busy time in 2 steady
                                                     # steps and the top ops by GPU time (with OUT set, their
                                                     # traces go to $OUT/profile_*.json.gz)
     python bench/gpu_zero_stages.py --timer-only    # ZeRO-1 with DeepSpeed's throughput timer synchronized
@@ -22,6 +22,7 @@ that fails prints its traceback and the next one runs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -40,18 +41,20 @@ from bench.gpu_runs import patched, plain_step  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 MICRO, ACCUM = 64, 4
 STEPS = 15 if len(sys.argv) == 1 else 25
+PROFILED_STEPS = 2  # fewer events: the profiler's host work is smaller, and so is the trace
+TRACE_LIMIT_BYTES = 15 * 2**20  # the device machine returns files up to 16 MiB
 
 
 @contextlib.contextmanager
 def profiled(label: str):
-    """torch.profiler over 3 steady optimizer steps (after 4 skipped and 1 warm-up): the caller calls
+    """torch.profiler over PROFILED_STEPS steady optimizer steps (after 4 skipped and 1 warm-up): the caller calls
     `.step()` after each optimizer step. Prints how much of those steps' wall time the device was busy
     (the union of its kernels; a host-bound step leaves it idle) and the ops that took the most device time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=activities, schedule=schedule(wait=4, warmup=1, active=3, repeat=1)) as prof:
+    with profile(activities=activities, schedule=schedule(wait=4, warmup=1, active=PROFILED_STEPS, repeat=1)) as prof:
         yield prof
     events = prof.events()
     # The steps' window on the host; on the device, kernels only: the profiler also puts its user annotations
@@ -65,21 +68,33 @@ def profiled(label: str):
         lo, hi = max(r.start, reach), min(r.end, end)
         if hi > lo:
             busy, reach = busy + hi - lo, hi
-    print(f"PROFILE {label}: device busy {100 * busy / (end - start):.1f} % of 3 steps' {(end - start) / 3e3:.1f} ms "
-          "per step", flush=True)
+    # The profiler's own host work slows the steps (+13-29 % on the CPU here): the busy milliseconds, set against
+    # the unprofiled step time of the same run (256 samples / the RATE line's samples/s), say more than the share.
+    per_step = (end - start) / PROFILED_STEPS / 1e3
+    print(f"PROFILE {label}: device busy {busy / PROFILED_STEPS / 1e3:.1f} ms per step, {100 * busy / (end - start):.1f} % "
+          f"of the {per_step:.1f} ms of a profiled step", flush=True)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60),
           flush=True)
     if os.environ.get("OUT"):
-        prof.export_chrome_trace(str(Path(os.environ["OUT"]) / f"profile_{label}.json.gz"))
+        trace = Path(os.environ["OUT"]) / f"profile_{label}.json.gz"
+        prof.export_chrome_trace(str(trace))
+        if trace.stat().st_size > TRACE_LIMIT_BYTES:  # it would not come back from the device machine
+            print(f"PROFILE {label}: trace of {trace.stat().st_size / 2**20:.0f} MiB left out", flush=True)
+            trace.unlink()
 
 
 @contextlib.contextmanager
 def peak_memory(label: str):
     """Prints the GPU's peak allocated memory over the block: whether a larger micro-batch fits a 40 or 80 GB
-    GPU is part of choosing it."""
+    GPU is part of choosing it. What earlier runs in this process left is freed first, and what stays said."""
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
     yield
-    print(f"MEMORY {label}: peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+    peak = torch.cuda.max_memory_allocated()
+    print(f"MEMORY {label}: peak {peak / 2**30:.1f} GiB, {(peak - held) / 2**30:.1f} GiB of it this run's "
+          f"({held / 2**30:.1f} held before)", flush=True)
 
 
 def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", micro: int = MICRO,
@@ -115,7 +130,9 @@ def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", mic
                        "--gradient-accumulation-steps", str(MICRO * ACCUM // micro), "--max-steps", str(STEPS), "--log-steps", "5",
                        "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *flags])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["samples_per_sec"] for r in records[1:])
+    rate = statistics.median(r["samples_per_sec"] for r in records[1:])
+    print(f"RATE {name}{'_profiled' if profile else ''}: {rate:.1f} samples/s", flush=True)  # as it comes
+    return rate
 
 
 def plain_rate(compiled: bool = False, profile: bool = False, micro: int = MICRO) -> float:
@@ -148,7 +165,10 @@ def plain_rate(compiled: bool = False, profile: bool = False, micro: int = MICRO
                 prof.step()
     del model, optimizer
     torch.cuda.empty_cache()
-    return micro * accum / statistics.median(times)
+    rate = micro * accum / statistics.median(times)
+    print(f"RATE plain_micro{micro}{'_compiled' if compiled else ''}{'_profiled' if profile else ''}: {rate:.1f} "
+          "samples/s", flush=True)
+    return rate
 
 
 def timer_only(work: Path) -> str:
@@ -216,7 +236,7 @@ def main() -> None:
     for run in chosen:
         try:
             print(f"RESULT {run(work)}", flush=True)
-        except Exception:
+        except (Exception, SystemExit):  # pretrain's one-line errors exit: the next mode still runs
             traceback.print_exc()
             print(f"RESULT {run.__name__} failed", flush=True)
 
