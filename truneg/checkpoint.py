@@ -319,7 +319,7 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
 
 
-BF16_PARTITION = "bf16_zero_pp_rank_"  # BF16_Optimizer's files: bf16_zero_pp_rank_{dp rank}_mp_rank_00_optim_states.pt
+BF16_PARTITION = "bf16_zero_pp_rank_"  # a bf16 run's partitions: bf16_zero_pp_rank_{dp rank}_mp_rank_00_optim_states.pt
 
 
 def _bf16_optimizer_weights(states: dict, partitions: list[Path]) -> dict:

@@ -91,7 +91,7 @@ class PreparedBlocks:
 
     def _map_shards(self) -> None:
         """Each mapping holds an open file: a corpus at the paper's scale has thousands of shards, past the
-        usual soft limit of 1024 open files, so the soft limit is raised to what they need (up to the hard one)."""
+        usual soft limit of 1024 open files, so the soft limit is raised to the hard one where they need it."""
         dtype, shards = np.dtype(self.index["dtype"]), [s for s in self.index["shards"] if s["blocks"]]
         _allow_open_files(len(shards))
         self._shards = [np.memmap(self.folder / s["file"], dtype=dtype, mode="r", shape=(s["blocks"], self.seq_len))

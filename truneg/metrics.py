@@ -114,7 +114,7 @@ class MetricsLogger:
             record["loss_scale"] = float(scale)
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         record["nonfinite_steps"] = int(totals["nonfinite_steps"]) // ranks  # counted on every rank
-        record["skipped_steps"] = int(self.engine.skipped_steps)  # DeepSpeed's own: fp16/bf16 overflow
+        record["skipped_steps"] = int(self.engine.skipped_steps)  # DeepSpeed's running total: its own check's skips
         record["samples_per_sec"] = totals["samples"] / elapsed if elapsed > 0 else math.nan
         record["tokens_per_sec"] = record["samples_per_sec"] * self.seq_len
         if self.rank == 0:  # lr and loss_scale: DeepSpeed's engine writes them itself at every step

@@ -55,7 +55,7 @@ def soft_regularization(
     both = F.embedding(torch.stack([gold, pred]), embedding_matrix, sparse=sparse)
     gold_vectors, pred_vectors = both.float().unbind(0)
     per_position = 1.0 - F.cosine_similarity(gold_vectors, pred_vectors, dim=-1)
-    counted = (gold_vectors.ne(0).any(-1) & pred_vectors.ne(0).any(-1))
+    counted = gold_vectors.ne(0).any(-1) & pred_vectors.ne(0).any(-1)
     if valid is not None:
         counted = counted & valid
     return (per_position * counted).sum() / counted.sum().clamp(min=1)
