@@ -175,6 +175,18 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def start_memory_peak() -> int:
+    """Frees what earlier runs in this process left where it can, and starts a new GPU peak: returns the bytes that
+    stay held (0 without CUDA), so that a peak can say how much of it was this run's."""
+    import torch
+
+    release_memory()
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
 def common_args(mode: Mode, model: str, config: Path, micro: int, accum: int) -> list[str]:
     return ["--model", model, "--deepspeed_config", str(config), "--train-data", str(CORPUS),
             "--seq-len", str(mode.seq_len), "--micro-batch-size", str(micro), "--gradient-accumulation-steps", str(accum)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import statistics
 import time
 import traceback
@@ -20,6 +19,7 @@ from bench.gpu_runs import (
     config_split,
     patched,
     run_pretrain,
+    start_memory_peak,
 )
 
 # Training TFLOPs per sample at seq 128 (bench/flops.py, DeepSpeed's flops profiler; README "Measured figures").
@@ -240,11 +240,7 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
                  "--overwrite"]
         argv += ["--hc", "wordnet", "--sr", "word"] if hc_sr else []
         argv += ["--compile"] if compiled else []
-        if cuda:  # what earlier variants left behind is freed where it can be, and said where it cannot
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        held = torch.cuda.memory_allocated() if cuda else 0
+        held = start_memory_peak()  # what earlier variants left is freed where it can be, and said where it cannot
         run = run_pretrain(argv, work / "stage4" / variant.replace(" ", "_").replace("+", ""))
         timed = [r["samples_per_sec"] for r in run.records[1:]]  # the first interval holds warm-up and compile
         if not run.ok or not timed:

@@ -22,7 +22,6 @@ that fails prints its traceback and the next one runs.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import statistics
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_runs import patched, plain_step  # noqa: E402
+from bench.gpu_runs import patched, plain_step, start_memory_peak  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO, ACCUM = 64, 4
@@ -87,10 +86,7 @@ def profiled(label: str):
 def peak_memory(label: str):
     """Prints the GPU's peak allocated memory over the block: whether a larger micro-batch fits a 40 or 80 GB
     GPU is part of choosing it. What earlier runs in this process left is freed first, and what stays said."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    held = torch.cuda.memory_allocated()
+    held = start_memory_peak()
     yield
     peak = torch.cuda.max_memory_allocated()
     print(f"MEMORY {label}: peak {peak / 2**30:.1f} GiB, {(peak - held) / 2**30:.1f} GiB of it this run's "

@@ -306,13 +306,9 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
             states = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
             if (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0) == 0:
                 return {name: value.float() for name, value in states["module"].items()}
-            bf16_partitions = sorted(checkpoint_dir.joinpath(tag).glob(f"{BF16_PARTITION}*_optim_states.pt"),
-                                     key=lambda f: int(f.name.removeprefix(BF16_PARTITION).split("_")[0]))
-            # DeepSpeed names every bf16 run's partitions so; only BF16_Optimizer's lack the ZeRO stage
-            # zero_to_fp32 reads (a bf16 run without fp32 accumulation has ZeRO's own optimizer)
-            if bf16_partitions and "zero_stage" not in torch.load(
-                    bf16_partitions[0], map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]:
-                return _bf16_optimizer_weights(states, bf16_partitions)
+            partitions = _bf16_optimizer_partitions(checkpoint_dir / tag)
+            if partitions:
+                return _bf16_optimizer_weights(states, partitions)
             del states
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
@@ -322,14 +318,24 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
 BF16_PARTITION = "bf16_zero_pp_rank_"  # a bf16 run's partitions: bf16_zero_pp_rank_{dp rank}_mp_rank_00_optim_states.pt
 
 
-def _bf16_optimizer_weights(states: dict, partitions: list[Path]) -> dict:
+def _bf16_optimizer_partitions(tag_dir: Path) -> list[dict]:
+    """BF16_Optimizer's optimizer states, in data-parallel rank order (memory-mapped), or [] when the tag has
+    none. DeepSpeed names every bf16 run's partitions so; only BF16_Optimizer's lack the ZeRO stage that
+    zero_to_fp32 reads (a bf16 run without fp32 accumulation has ZeRO's own optimizer)."""
+    paths = sorted(tag_dir.glob(f"{BF16_PARTITION}*_optim_states.pt"),
+                   key=lambda f: int(f.name.removeprefix(BF16_PARTITION).split("_")[0]))
+    partitions = [torch.load(path, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
+                  for path in paths]
+    return [] if not partitions or "zero_stage" in partitions[0] else partitions
+
+
+def _bf16_optimizer_weights(states: dict, partitions: list[dict]) -> dict:
     """The fp32 master weights of BF16_Optimizer's partitions, in data-parallel rank order. Each rank holds
     consecutive slices of every flat parameter group, and `param_slice_mappings` names the fragment
     (start, numel) of each parameter in its slice; buffers and tied parameters come as zero_to_fp32 takes
     them (the model file's `buffer_names` and `shared_params`)."""
     fragments: dict[str, list[torch.Tensor]] = {}
-    for path in partitions:
-        optimizer = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    for optimizer in partitions:
         for flat, mapping in zip(optimizer["single_partition_of_fp32_groups"], optimizer["param_slice_mappings"]):
             for name, fragment in mapping.items():
                 fragments.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel))

@@ -167,16 +167,16 @@ def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: st
     import io
 
     from deepspeed.launcher import runner
+    from deepspeed.launcher.constants import PDSH_LAUNCHER  # deepspeed's default --launcher
 
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
             options = runner.parse_args([*launcher_args.split(), "pretrain.py"])
-            default = runner.parse_args(["pretrain.py"])
     except (SystemExit, ValueError) as err:
         reason = (said.getvalue().strip().splitlines() or [str(err)])[-1].split("error: ", 1)[-1]
         raise UserError(f"LAUNCHER_ARGS {launcher_args!r}: {reason}; see deepspeed --help") from None
-    launcher = options.launcher.lower() if options.launcher != default.launcher else None
+    launcher = options.launcher.lower() if options.launcher != PDSH_LAUNCHER else None
     if (options.num_nodes >= 0 or options.num_gpus >= 0) and (options.include or options.exclude):
         raise UserError("LAUNCHER_ARGS: deepspeed refuses --num_nodes/--num_gpus together with --include/--exclude; "
                         "use one or the other")
