@@ -167,6 +167,13 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 3 and all(line.startswith("truneg: error: ") for line in errors)
     assert "FusedLamb" in errors[0] and "node-local" in errors[1] and "no text files" in errors[2]
+    # every argument out of range, one line each: the checks pretrain.py makes before its first step
+    out_of_range = ["--dropout", "1.5", "--save-steps", "-1", "--max-nonfinite-steps", "0", "--max-predictions", "999"]
+    assert preflight.run([*argv, *out_of_range]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert [line.removeprefix("truneg: error: ") for line in errors] == [
+        "--max-nonfinite-steps must be >= 1", "--save-steps must be >= 0",
+        "--max-predictions 999 must be between 1 and --seq-len 128", "--dropout 1.5 must be in [0, 1)"]
     # over several nodes with pdsh: no pdsh, and a glob each node's shell would expand on its own (`**` as `*`)
     monkeypatch.setenv("PATH", str(bare))
     (tmp_path / "corpus" / "a").mkdir(parents=True)

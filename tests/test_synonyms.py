@@ -200,6 +200,16 @@ def test_embedding_source_text_and_binary(tmp_path):
         assert table.synonyms_of("huge") == ["large"]
         assert table.synonyms_of("tiny") == []  # its nearest neighbour is below the threshold
         assert table.synonyms_of("##s") == [] and table.synonyms_of("a") == []
+    # unusable embeddings: one line each (UserError), not a traceback
+    truncated = tmp_path / "truncated.bin"
+    truncated.write_bytes(binary.read_bytes()[:-5])
+    cased = tmp_path / "cased.txt"
+    cased.write_text("2 3\nBig 1 0 0\nLarge 1 0 0\n")
+    (tmp_path / "not_a_model").mkdir()
+    for source, said in ((truncated, "ends after 5 of the 6 vectors"), (cased, "no word of the vocab has a vector"),
+                         (tmp_path / "not_a_model", "cannot load model")):
+        with pytest.raises(UserError, match=said):
+            synonyms.build_from_embeddings(tokens, source, top_k=1)
 
 
 def test_tsv_source(tmp_path, tokens):

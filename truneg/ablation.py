@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from truneg.errors import UserError
+from truneg.errors import UserError, int_at_least
 
 VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
 # The paper's Table 3 (as ELECTRA): "STS is reported by Spearman correlation, CoLA ... by Matthew's correlation,
@@ -103,14 +103,14 @@ def add_command(commands) -> None:
     parser = commands.add_parser("ablation", help="baseline / HC / SR / HC+SR pre-training, then GLUE (paper Tables 3, 6)")
     parser.add_argument("--preset", default="bert-tiny")
     parser.add_argument("--tasks", default="rte,mrpc")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int_at_least(1), default=300)
     parser.add_argument("--train-data", nargs="+", default=[str(Path(__file__).parent / "assets" / "corpus")])
     parser.add_argument("--glue-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"))
     parser.add_argument("--output-dir", default="runs/ablation")
     parser.add_argument("--num-gpus", type=int, default=2, help="ranks per node (CPU ranks on a machine without GPUs)")
     parser.add_argument("--master-port", type=int, default=29511)
     parser.add_argument("--deepspeed_config")
-    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--micro-batch-size", type=int_at_least(1))
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--epochs", type=int, help="fine-tuning epochs (default: ELECTRA's per task)")

@@ -26,7 +26,6 @@ from truneg.errors import UserError
 
 CSV_COLUMNS = ["checkpoint", "step", "segmentation", "seq_len", "sequences", "masked", "mismatched", "corrected",
                "iter_ratio", "pred_ratio"]
-SEGMENTATIONS = ("packed", "line", "article")
 # WikiText's article titles are ` = Title = ` lines; sections are ` = = Section = = `.
 WIKITEXT_TITLE = re.compile(r"^\s*= [^=](.*[^=])? =\s*$")
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from truneg.errors import int_at_least
+
 
 def _common(parser) -> None:
     parser.add_argument("--data", nargs="+", required=True, help="text files, folders or globs to run the MLM over")
@@ -16,7 +18,7 @@ def _common(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="masking and sampling seed")
     parser.add_argument("--prediction", choices=["default", "argmax", "sample"], default="default",
                         help="default: argmax for BERT, the generator's sample for ELECTRA (as in training)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=32)
     parser.add_argument("--max-sequences", type=int, help="stop after this many sequences")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoints' own, else bert-base-uncased)")
 
@@ -74,6 +76,6 @@ def add_commands(commands) -> None:
     stats.set_defaults(func=_fn_stats)
     cases = commands.add_parser("fn-cases", help="dump corrected examples (paper Figure 3 / Table 1)")
     cases.add_argument("--checkpoint", required=True, help="a tag, a checkpoints folder (its newest tag) or an HF folder")
-    cases.add_argument("-n", type=int, default=20, help="number of cases")
+    cases.add_argument("-n", type=int_at_least(0), default=20, help="number of cases")
     _common(cases)
     cases.set_defaults(func=_fn_cases)

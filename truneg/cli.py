@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from truneg.errors import UserError, exit_on_user_error
+from truneg.errors import UserError, exit_on_user_error, int_at_least
 
 
 def _synonyms_build(args) -> None:
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--source", choices=["wordnet", "embedding", "tsv"], default="wordnet")
     build.add_argument("--tsv", help="for --source tsv: word<TAB>synonym lines")
     build.add_argument("--embeddings", help="for --source embedding: word2vec file (text or binary) or HF model folder")
-    build.add_argument("--top-k", type=int, default=10)
+    build.add_argument("--top-k", type=int_at_least(1), default=10)
     build.add_argument("--min-cosine", type=float, default=0.6)
     forms = build.add_mutually_exclusive_group()
     forms.add_argument("--exact", action="store_true",

@@ -25,3 +25,20 @@ def exit_on_user_error(fn: F) -> F:
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
+
+
+def int_at_least(least: int) -> Callable[[str], int]:
+    """An argparse `type` for an integer flag with a floor: below it, argparse's own one-line error and exit 2."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+
+    parse.__name__ = f"int >= {least}"  # how argparse names the type in its errors
+    return parse

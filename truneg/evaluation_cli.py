@@ -5,6 +5,8 @@ import contextlib
 import json
 import sys
 
+from truneg.errors import int_at_least
+
 DEEPSPEED_HELP = ("train through HF Trainer's DeepSpeed integration (ZeRO, precision); the config's optimizer and "
                   "scheduler sections are ignored: the recipe's layer-wise AdamW groups and warmup stay")
 
@@ -54,9 +56,9 @@ def _add_io(parser, model_help: str) -> None:
 
 def _add_recipe(parser, epochs: int | None, epochs_help: str | None, max_seq_len: int) -> None:
     """The fine-tuning recipe's flags (glue and squad)."""
-    parser.add_argument("--epochs", type=int, default=epochs, help=epochs_help)
+    parser.add_argument("--epochs", type=int_at_least(1), default=epochs, help=epochs_help)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=32)
     parser.add_argument("--max-seq-len", type=int, default=max_seq_len)
     parser.add_argument("--max-train-samples", type=int)
     parser.add_argument("--layerwise-decay", type=float, default=0.8, help="ELECTRA's layer-wise lr decay; 1 turns it off")

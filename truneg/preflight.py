@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None = None) -> int:
     """Print the summary and return 0, or print one line per problem and return 2."""
     from truneg.hostfile import check_hostfile, check_multi_node_launch, check_ssh, launched_resources
-    from truneg.models import MAX_POSITIONS, check_preset
+    from truneg.pretrain import argument_problems
 
     args = build_parser().parse_args(argv)
     problems: list[str] = []
@@ -316,16 +316,7 @@ def run(argv: list[str] | None = None) -> int:
     world_size = max(sum(hosts.values()), 1)
     if not args.hostfile:
         hosts = {}  # one machine: no node checks
-    try:
-        if args.model is not None:
-            check_preset(args.model)
-    except UserError as err:
-        problems.append(str(err))
-    if args.seq_len > MAX_POSITIONS:
-        problems.append(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} or less")
-    for name in ("seq_len", "max_steps", "log_steps"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    problems += argument_problems(args)
     config, choices = None, []
     try:
         config, choices = resolve_config(args, world_size, capability)

@@ -76,19 +76,39 @@ def build_parser() -> argparse.ArgumentParser:
     return deepspeed.add_config_arguments(parser)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """One line per argument out of range (shared with `truneg preflight`, which lists them all)."""
     from truneg.models import MAX_POSITIONS, check_preset
 
-    args = build_parser().parse_args(argv)
-    for name in ("seq_len", "max_steps", "log_steps", "max_nonfinite_steps"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    problems = [f"--{name.replace('_', '-')} must be >= {least}"
+                for names, least in ((("seq_len", "max_steps", "log_steps", "max_nonfinite_steps", "micro_batch_size",
+                                       "gradient_accumulation_steps", "num_proc"), 1),
+                                     (("save_steps", "keep_checkpoints", "data_workers"), 0))
+                for name in names if getattr(args, name) is not None and getattr(args, name) < least]
     if args.model is not None:
-        check_preset(args.model)
+        try:
+            check_preset(args.model)
+        except UserError as err:
+            problems.append(str(err))
     if args.max_predictions is not None and not 1 <= args.max_predictions <= args.seq_len:
-        raise UserError(f"--max-predictions {args.max_predictions} must be between 1 and --seq-len {args.seq_len}")
+        problems.append(f"--max-predictions {args.max_predictions} must be between 1 and --seq-len {args.seq_len}")
     if args.seq_len > MAX_POSITIONS:
-        raise UserError(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} or less")
+        problems.append(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} "
+                        "or less")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        problems.append(f"--dropout {args.dropout} must be in [0, 1)")
+    if args.lr is not None and not args.lr > 0:  # `not >` also refuses nan
+        problems.append(f"--lr {args.lr} must be > 0")
+    if not args.sr_weight >= 0:
+        problems.append(f"--sr-weight {args.sr_weight} must be >= 0")
+    return problems
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    problems = argument_problems(args)
+    if problems:
+        raise UserError(problems[0])
     return args
 
 

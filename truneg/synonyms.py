@@ -23,7 +23,6 @@ from torch import nn
 from truneg.errors import UserError
 
 WHOLE_WORD = re.compile(r"[a-z]{2,}", re.IGNORECASE)
-SOURCES = ("wordnet", "embedding", "tsv")
 SHIPPED_WORDNET_TABLE = Path(__file__).parent / "assets" / "synonyms" / "wordnet_bert-base-uncased.npz"
 
 
@@ -283,11 +282,15 @@ def read_word2vec(path: Path) -> dict[str, np.ndarray]:
                 vectors[parts[0]] = np.asarray(parts[1:], dtype=np.float32)
     else:
         pos = 0
-        for _ in range(count):
-            end = rest.index(b" ", pos)
-            word = rest[pos:end].decode("utf-8", errors="replace").strip()
-            vectors[word] = np.frombuffer(rest, dtype=np.float32, count=dim, offset=end + 1).copy()
-            pos = end + 1 + 4 * dim
+        try:
+            for _ in range(count):
+                end = rest.index(b" ", pos)
+                word = rest[pos:end].decode("utf-8", errors="replace").strip()
+                vectors[word] = np.frombuffer(rest, dtype=np.float32, count=dim, offset=end + 1).copy()
+                pos = end + 1 + 4 * dim
+        except ValueError:  # no word left before the end, or fewer than `dim` floats after it
+            raise UserError(f"{path} ends after {len(vectors)} of the {count} vectors its header promises: a truncated "
+                            "or damaged binary word2vec file") from None
     if not vectors:
         raise UserError(f"{path} holds no vectors of dimension {dim}")
     return vectors
@@ -302,7 +305,11 @@ def embedding_matrix_for_vocab(source: str | Path, tokens: Sequence[str]) -> np.
     if source.is_dir():
         from transformers import AutoModel
 
-        weight = AutoModel.from_pretrained(source).get_input_embeddings().weight.detach().float().numpy()
+        try:
+            weight = AutoModel.from_pretrained(source).get_input_embeddings().weight.detach().float().numpy()
+        except (OSError, ValueError) as err:  # no config.json, weights or a model type transformers knows
+            raise UserError(f"cannot load model {source} for its embeddings ({str(err).splitlines()[0][:160]}); pass "
+                            "an HF model folder or a word2vec file") from None
         if weight.shape[0] < len(tokens):
             raise UserError(f"model {source} has {weight.shape[0]} embeddings, fewer than the vocab's {len(tokens)}")
         return weight[: len(tokens)]
@@ -327,6 +334,9 @@ def build_from_embeddings(
     vecs = torch.from_numpy(np.ascontiguousarray(matrix[ids], dtype=np.float32))
     norms = vecs.norm(dim=1, keepdim=True)
     ids, vecs = ids[(norms.squeeze(1) > 0).numpy()], vecs[norms.squeeze(1) > 0] / norms[norms.squeeze(1) > 0]
+    if len(ids) == 0:
+        raise UserError(f"no word of the vocab has a vector in {embeddings}; are they cased vectors for an "
+                        "uncased vocab, or another language's?")
     rows, cols = [], []
     k = min(top_k + 1, len(ids))
     for start in range(0, len(ids), 4096):
@@ -390,6 +400,3 @@ class SynonymLookup(nn.Module):
         query = (gold * self.vocab_size + pred).reshape(-1)
         position = torch.searchsorted(self.keys, query).clamp_(max=self.keys.numel() - 1)
         return (self.keys[position] == query).reshape(gold.shape) & in_vocab
-
-    def forward(self, gold: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
-        return self.is_synonym(gold, pred)
