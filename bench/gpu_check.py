@@ -105,7 +105,9 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
     run step for step; two real processes of `python -m truneg.pretrain`, the reference beside it."""
     import torch
 
+    from truneg.checkpoint import rank_state_file
     from truneg.data import ensure_prepared, load_tokenizer
+    from truneg.run_config import CHECKPOINTS
 
     shipped = DS_CONFIGS / "electra_small_a100_bf16_zero1.json"
     config = config_for(shipped, mode, work)
@@ -125,7 +127,7 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
         return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
     reference, victim = start(ref_dir), start(killed_dir)
-    latest = killed_dir / "checkpoints" / "latest"
+    latest = killed_dir / CHECKPOINTS / "latest"
     while not latest.is_file() and victim.poll() is None:
         time.sleep(0.005)
     victim.kill()
@@ -150,7 +152,7 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
                 a, b = got.get(step, {}).get(key, math.nan), ref[step][key]
                 worst = max(worst, abs(a - b) / max(abs(b), 1e-12)) if math.isfinite(a) else math.inf
                 compared += 1
-    rank_state = torch.load(killed_dir / "checkpoints" / tag / "truneg_rank00000.pt", weights_only=False)
+    rank_state = torch.load(rank_state_file(killed_dir / CHECKPOINTS, tag, 0), weights_only=False)
     has_cuda_rng = "accelerator" in rank_state["rng"]
     ok = compared > 0 and worst <= RESUME_TOLERANCE and (has_cuda_rng or mode.dry_run)
     note(f"  resume: {'PASS' if ok else 'FAIL'} killed after {tag}, resumed to step {steps}; max relative loss "

@@ -163,7 +163,9 @@ def plain_step(model, optimizer, batch: dict, accum: int) -> None:
 
 
 def read_records(output_dir: Path) -> list[dict]:
-    metrics = output_dir / "metrics.jsonl"
+    from truneg.run_config import METRICS
+
+    metrics = output_dir / METRICS
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
 
 

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_runs import patched, plain_step, start_memory_peak  # noqa: E402
+from bench.gpu_runs import patched, plain_step, read_records, start_memory_peak  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO, ACCUM = 64, 4
@@ -125,7 +125,7 @@ def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", mic
         pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(micro),
                        "--gradient-accumulation-steps", str(MICRO * ACCUM // micro), "--max-steps", str(STEPS), "--log-steps", "5",
                        "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *flags])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(out)
     rate = statistics.median(r["samples_per_sec"] for r in records[1:])
     print(f"RATE {name}{'_profiled' if profile else ''}: {rate:.1f} samples/s", flush=True)  # as it comes
     return rate

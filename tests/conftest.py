@@ -161,3 +161,9 @@ def cli_in_process(*args: str) -> subprocess.CompletedProcess:
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess(["truneg", *args], code, out.getvalue(), err.getvalue())
+
+
+def framed_blocks(stream, seq_len: int, cls_id: int, sep_id: int) -> list[list[int]]:
+    """The reference framing, written out plainly: [CLS], the next seq_len - 2 tokens, [SEP]; a short tail dropped."""
+    body, stream = seq_len - 2, [int(t) for t in stream]
+    return [[cls_id, *stream[start:start + body], sep_id] for start in range(0, len(stream) - body + 1, body)]

@@ -21,8 +21,19 @@ def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, sm
     report = json.loads((out / "ablation.json").read_text())
     assert list(report["scores"]) == ["baseline", "HC", "SR", "HC+SR"]
     assert all(0 <= s["rte"] <= 100 for s in report["scores"].values())
+    # the table's Δ rows are each variant's score minus the baseline's (to the printed two decimals)
     table = (out / "ablation.txt").read_text()
-    assert "Δ avg" in table and sum(line.startswith("  Δ") for line in table.splitlines()) == 3
+    assert "Δ avg" in table
+    deltas = [float(line.split()[1]) for line in table.splitlines() if line.startswith("  Δ")]
+    scores = {v: s["rte"] for v, s in report["scores"].items()}
+    assert deltas == [pytest.approx(scores[v] - scores["baseline"], abs=0.006) for v in ("HC", "SR", "HC+SR")]
+    # each variant ran with its own objectives (HC cannot be told from its losses here: it corrects nothing
+    # in 6 steps of a tiny model), as its run.json records them
+    for variant, (hc, sr) in {"baseline": ("none", "none"), "HC": ("wordnet", "none"), "SR": ("none", "word"),
+                              "HC+SR": ("wordnet", "word")}.items():
+        recorded = json.loads((out / variant.replace("+", "_") / "run.json").read_text())
+        assert (recorded["hc"], recorded["sr"]) == (hc, sr), variant
+        assert (recorded["synonym_table"] is None) == (hc == "none"), variant
     runs = {v: read_metrics(out / v.replace("+", "_")) for v in report["scores"]}
     assert all(len(r) == 6 for r in runs.values())
     assert "sr_loss" not in runs["baseline"][0] and "sr_loss" in runs["SR"][0] and "sr_loss" in runs["HC+SR"][0]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 
 import numpy as np
@@ -106,10 +107,34 @@ def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):
     assert matplotlib.image.imread(out / "fn_stats.png").shape[0] > 100
     assert "iter %" in proc.stdout and "pred %" in proc.stdout
 
-    cases = cli_in_process("fn-cases", "--checkpoint", str(exported), "--data", str(small_corpus), "--seq-len", "64",
-                       "-n", "5", "--out", str(tmp_path / "cases"), "--prediction", "sample")
+    # fn-cases, with the head made to predict each masked word's first WordNet synonym (the tiny model predicts
+    # none): -n of the false negatives found are shown
+    from truneg import masking
+
+    table = SynonymTable.load(SHIPPED_WORDNET_TABLE)
+    first_synonym = torch.arange(table.vocab_size)
+    has_one = np.nonzero(table.indptr[1:] > table.indptr[:-1])[0]
+    first_synonym[has_one] = torch.from_numpy(table.indices[table.indptr[has_one]]).long()
+    real_mask = masking.mask_tokens
+
+    def capturing_mask(rows, *args, **kwargs):
+        synonym_logits.original = torch.as_tensor(rows).long()
+        return real_mask(rows, *args, **kwargs)
+
+    def synonym_logits(mlm, hidden, positions):
+        pred = first_synonym[synonym_logits.original.gather(1, positions)]
+        return 60.0 * torch.nn.functional.one_hot(pred, mlm.config.vocab_size).float()  # certain, sampled too
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "bert_masked_logits", synonym_logits)
+        patch.setattr(masking, "mask_tokens", capturing_mask)
+        cases = cli_in_process("fn-cases", "--checkpoint", str(exported), "--data", str(small_corpus), "--seq-len",
+                               "64", "-n", "5", "--out", str(tmp_path / "cases"), "--prediction", "sample")
     assert cases.returncode == 0, cases.stderr[-3000:]
-    assert (tmp_path / "cases" / "cases.html").read_text().startswith("<!doctype html>")
+    shown, found = map(int, re.search(r"(\d+) cases of (\d+) false negatives", cases.stdout).groups())
+    assert found > 5 and shown == 5, cases.stdout
+    page = (tmp_path / "cases" / "cases.html").read_text()
+    assert page.startswith("<!doctype html>") and page.count("<tr><td>") == shown
     assert (tmp_path / "cases" / "cases.txt").is_file()
 
 

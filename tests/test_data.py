@@ -1,18 +1,13 @@
-"""Corpus packing and caching, the resumable sampler, and and the corpus cache (masking: test_masking.py)."""
+"""Corpus packing and caching, the resumable sampler, and the corpus cache (masking: test_masking.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import framed_blocks
 
-from truneg.data import (
-    PreparedBlocks,
-    ResumableSampler,
-    ensure_prepared,
-    load_tokenizer,
-    open_prepared,
-    pack_blocks,
-)
+from truneg.data import PreparedBlocks, ResumableSampler, ensure_prepared, load_tokenizer, open_prepared
 from truneg.errors import UserError
+from truneg.prepare import pack_blocks
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +15,10 @@ def tokenizer():
     return load_tokenizer()
 
 
-def test_pack_blocks_frames_each_block():
-    blocks = pack_blocks(np.arange(10, 33, dtype=np.int32), seq_len=6, cls_id=101, sep_id=102)
-    assert blocks.shape == (5, 6)  # 23 tokens -> 5 blocks of 4, the tail of 3 dropped
-    assert (blocks[:, 0] == 101).all() and (blocks[:, -1] == 102).all()
-    assert blocks[:, 1:-1].reshape(-1).tolist() == list(range(10, 30))
+def test_pack_blocks_frames_each_block_and_returns_the_tail():
+    blocks, tail = pack_blocks(np.arange(10, 33), seq_len=6, cls_id=101, sep_id=102, dtype=np.uint16)
+    assert blocks.dtype == np.uint16 and blocks.tolist() == framed_blocks(range(10, 33), 6, 101, 102)
+    assert blocks.shape == (5, 6) and tail.tolist() == [30, 31, 32]  # 23 tokens -> 5 blocks of 4, a tail of 3
 
 
 def test_build_blocks_tokenizes_documents_and_caches(tmp_path, tokenizer):

@@ -92,13 +92,18 @@ def test_each_gpu_process_is_bound_to_its_own_device_before_the_first_collective
     calls = []
     accelerator = types.SimpleNamespace(device_name=lambda: "cuda", set_device=lambda i: calls.append(("set_device", i)))
     bare_env.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
-    bare_env.setattr(deepspeed, "init_distributed", lambda **kw: calls.append(("init", kw["dist_backend"])))
+    bare_env.setattr(deepspeed, "init_distributed",
+                     lambda **kw: calls.append(("init", kw["dist_backend"], kw["auto_mpi_discovery"])))
     bare_env.setattr(distributed.dist, "get_rank", lambda: 3)
     bare_env.setattr(distributed.dist, "get_world_size", lambda: 4)
     for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
         bare_env.setenv(name, value)
     assert distributed.init_distributed() == (3, 4)
-    assert calls == [("init", None), ("set_device", 1)]  # NCCL (the accelerator's backend), then cuda:1
+    # NCCL (the accelerator's backend), no MPI discovery (the launcher's variables are there), then cuda:1
+    assert calls == [("init", None, False), ("set_device", 1)]
+    calls.clear()  # where the ranks are left to DeepSpeed's MPI discovery (mpirun with mpi4py), it is asked for
+    bare_env.setattr(distributed, "_left_to_mpi_discovery", lambda: True)
+    assert distributed.init_distributed() == (3, 4) and calls[0] == ("init", None, True)
 
 
 def test_a_run_started_the_way_mpirun_starts_it_trains_as_the_deepspeed_launcher_does(launch_env, runs, small_corpus,

@@ -93,6 +93,9 @@ def resume_and_match(cmd_args: list[str], out: Path, resumed_from: int, referenc
     # DeepSpeed's CPU allreduce buffers live in RAM-backed /dev/shm: no run may leave one behind.
     assert shm_allreduce_buffers(port) == []
     assert f"resumed from {out / 'checkpoints'} at step {resumed_from}" in second.stdout
+    # this process trained the steps after it (the folder may hold the killed run's records of them)
+    assert f"done, {MAX_STEPS - resumed_from} steps" in second.stdout
+    assert f"step {MAX_STEPS}/{MAX_STEPS}  loss {reference[-1]['loss']:.4f}" in second.stdout
     after = comparable(read_metrics(out))
     assert [r["step"] for r in after] == list(range(1, MAX_STEPS + 1))
     assert after == reference  # every loss, ratio and lr, bitwise (JSON keeps full float precision)

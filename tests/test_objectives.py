@@ -201,7 +201,7 @@ def test_replaced_token_labels_reference():
     assert replaced_token_labels(disc_input, original, None).tolist() == [[0, 1, 0, 1]]
 
 
-def test_baseline_path_is_bitwise_the_plain_cross_entropy():
+def test_baseline_path_is_the_plain_cross_entropy_up_to_float_rounding():
     torch.manual_seed(0)
     mlm = build_pretrainer("bert-tiny", ObjectiveConfig(), dropout=0.0).mlm.eval()
     gen = torch.Generator().manual_seed(1)
@@ -219,19 +219,24 @@ def test_baseline_path_is_bitwise_the_plain_cross_entropy():
 
 @pytest.mark.parametrize("preset", ["bert-tiny", "electra-tiny"])
 @pytest.mark.parametrize("sr", ["word", "sent"])
-def test_sr_and_hc_combine_and_add_to_the_loss(preset, sr, lookup):
+def test_sr_and_hc_combine_and_add_to_the_loss(preset, sr, table, lookup, monkeypatch):
+    """With real synonym predictions (two of four corrected), HC still changes the loss when SR is on, and SR
+    adds sr_weight x its own term to whatever HC left."""
     torch.manual_seed(0)
-    base = build_pretrainer(preset, ObjectiveConfig(), dropout=0.0).eval()
-    gen = torch.Generator().manual_seed(2)
-    original = torch.randint(1000, 30000, (2, 16), generator=gen)
-    labels = torch.full_like(original, -100)
-    labels[:, [3, 7]] = original[:, [3, 7]]
-    inputs = original.masked_fill(labels != -100, 103)
-    base.set_objective(ObjectiveConfig(hc_lookup=lookup, sr=sr, sr_weight=2.0))
-    torch.manual_seed(5)
-    with_sr, stats = base(**model_inputs(inputs, labels, original))
-    base.set_objective(ObjectiveConfig(hc_lookup=lookup))
-    torch.manual_seed(5)
-    without_sr, _ = base(**model_inputs(inputs, labels, original))
+    model = build_pretrainer(preset, ObjectiveConfig(), dropout=0.0).eval()
+    batch, _ = crafted_batch(table)
+    logits = forced_logits(table, ["main", "remain", "house", "sad"])  # two synonyms, one correct, one wrong
+    monkeypatch.setattr(model, "masked_logits", lambda *a: logits)
+
+    def loss_and_stats(objective: ObjectiveConfig):
+        model.set_objective(objective)
+        torch.manual_seed(5)  # the same Gumbel noise and the same ELECTRA sample in every call
+        return model(**batch)
+
+    with_sr, stats = loss_and_stats(ObjectiveConfig(hc_lookup=lookup, sr=sr, sr_weight=2.0))
+    hc_only, hc_stats = loss_and_stats(ObjectiveConfig(hc_lookup=lookup))
+    neither, _ = loss_and_stats(ObjectiveConfig())
+    assert stats["corrected"].item() == hc_stats["corrected"].item() == 2
+    assert not torch.allclose(hc_only, neither)  # HC took the two synonyms out of the loss
     assert stats["sr_loss"].item() > 0
-    assert torch.allclose(with_sr, without_sr + 2.0 * stats["sr_loss"], atol=1e-5)
+    assert torch.allclose(with_sr, hc_only + 2.0 * stats["sr_loss"], atol=1e-5)

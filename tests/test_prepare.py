@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import framed_blocks
 
 from truneg import cli, prepare
-from truneg.data import load_tokenizer, open_prepared, open_training_blocks, pack_blocks
+from truneg.data import load_tokenizer, open_prepared, open_training_blocks
 from truneg.errors import UserError
 
 SEQ = 16
@@ -64,7 +65,7 @@ def test_blocks_equal_todays_packing_of_the_same_text(tmp_path, corpus, tokenize
     files = sorted(corpus.glob("*.txt"))
     stream = reference_stream(files, tokenizer, tmp_path)
     one = open_prepared(prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "one", 1, progress=False), tokenizer, SEQ)
-    expect = pack_blocks(stream, SEQ, tokenizer.cls_token_id, tokenizer.sep_token_id)
+    expect = np.array(framed_blocks(stream, SEQ, tokenizer.cls_token_id, tokenizer.sep_token_id))
     assert one.shape == expect.shape and (one[np.arange(len(one))] == expect).all()
     # Several units: each unit is packed alone (its tail dropped), and the units' streams, end to end,
     # are the whole corpus's stream: the line-aligned cuts lose and split no line.
@@ -144,7 +145,7 @@ def test_ids_round_trip_through_the_narrowest_dtype(tmp_path, vocab, dtype):
     (tmp_path / "c.txt").write_text(" ".join(f"w{i - 5}" for i in ids) + "\n")
     blocks, _ = open_training_blocks(str(tmp_path / "c.txt"), tokenizer, SEQ, cache_dir=tmp_path / "cache", num_proc=1)
     assert blocks.index["dtype"] == dtype and blocks[np.arange(3)].dtype == np.int32
-    assert (blocks[np.arange(len(blocks))] == pack_blocks(ids, SEQ, 2, 3)).all()
+    assert blocks[np.arange(len(blocks))].tolist() == framed_blocks(ids, SEQ, 2, 3)
 
 
 def test_hf_rows_reach_the_tokenizer_about_a_chunk_of_text_at_a_time(monkeypatch):
@@ -201,8 +202,8 @@ def test_hf_sources_from_the_command_line(tmp_path, tokenizer):
     assert len(open_prepared(many).index["shards"]) == 6, "a unit per row group"
     assert_units_follow_stream(many, streams["train"], 8)
     jsonl = prepare.prepare(f"hf:{folder / 'json'}#content", tokenizer, 8, tmp_path / "jsonl", 1, progress=False)
-    assert (open_prepared(jsonl)[np.arange(len(open_prepared(jsonl)))]
-            == pack_blocks(streams["train"], 8, 101, 102)).all()
+    assert (open_prepared(jsonl)[np.arange(len(open_prepared(jsonl)))].tolist()
+            == framed_blocks(streams["train"], 8, 101, 102))
     with pytest.raises(UserError, match="has no column 'text'"):
         open_training_blocks(parse_args(["--train-data", f"hf:{folder}"]).train_data, tokenizer, 8, cache_dir=cache, num_proc=1)
     with pytest.raises(UserError, match="cannot load HF dataset"):

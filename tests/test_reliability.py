@@ -280,15 +280,22 @@ def test_resume_on_another_world_size_two_to_one_and_back(runs, tmp_path, launch
     # 1 rank: the same global batch of 8 through 2 accumulation steps
     one = run(deepspeed_cmd(*args, "--gradient-accumulation-steps", "2", num_gpus=1, port=free_port()), launch_env)
     assert "written by 2 ranks; loading its universal form on 1" in one.stdout
+    assert f"resumed from {out / 'checkpoints'} at step 8" in one.stdout
     close_losses(read_metrics(out), reference, 8)
     assert [r["step"] for r in read_metrics(out)] == list(range(9, MAX_STEPS + 1))
     # global_step24 written again, by 1 rank: none of the 2-rank save's shards is left to mix with it
     assert len(list((out / "checkpoints" / "global_step24").glob("*optim_states.pt"))) == 1
     assert not list((out / "checkpoints").glob("*.deleting"))
     # ... and back to 2 ranks from the 1-rank checkpoint of step 16
+    # (the 1-rank leg's records after step 16 are dropped, so that what is checked below was written again)
     (out / "checkpoints" / "latest").write_text("global_step16")
+    metrics = out / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)
+                               if json.loads(line)["step"] <= 16))
     two = run(deepspeed_cmd(*args, port=free_port()), launch_env)
     assert "written by 1 ranks; loading its universal form on 2" in two.stdout
+    assert f"resumed from {out / 'checkpoints'} at step 16" in two.stdout
+    assert [r["step"] for r in read_metrics(out)] == list(range(9, MAX_STEPS + 1))
     close_losses(read_metrics(out), reference, 16)
 
 

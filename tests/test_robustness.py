@@ -23,6 +23,15 @@ def test_swap_syn_replaces_ten_percent_with_same_pos_synonyms():
     for i in changed:
         assert words[i].lower() not in ENGLISH_STOP_WORDS and words[i].isalpha()
         assert new_words[i].lower() in {s.lower() for s in synonyms(words[i].lower(), tags[i])}
+    # the same swaps against WordNet itself, with each word's part of speech written out here
+    from nltk.corpus import wordnet
+
+    swaps = {words[i]: (new_words[i], tags[i]) for i in changed}
+    expected_pos = {"decision": wordnet.NOUN, "slow": wordnet.ADJ, "progress": wordnet.NOUN}
+    assert set(swaps) == set(expected_pos)
+    for word, (new, pos) in swaps.items():
+        assert pos == expected_pos[word] and new != word
+        assert new in {lemma.name() for synset in wordnet.synsets(word, expected_pos[word]) for lemma in synset.lemmas()}
     assert swap_syn(SENTENCE, random.Random(3)) == out  # a fixed seed gives the same transform
 
 

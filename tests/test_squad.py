@@ -56,7 +56,7 @@ SQUAD_RECIPE = {"max_seq_len": 128, "doc_stride": 32, "max_train_samples": 32, "
                 "batch_size": 16, "lr": 5e-4, "layerwise_decay": 1.0}
 
 
-def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path):
+def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path, monkeypatch):
     """Trained and scored on the same 32 questions: the exact match climbs from the untrained head's ~0 only if
     the answer labels, the Trainer's training and the span extraction agree (a label off by one token, or spans
     cut from the wrong offsets, fit nothing). Held-out learning needs minutes of CPU; the README measures it."""
@@ -83,10 +83,26 @@ def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path):
     assert set(predictions) == {e["id"] for e in examples}
     assert evaluate_predictions(examples, predictions) == pytest.approx({k: trained[k] for k in ("exact_match", "f1")})
 
-    # the AddSentDiverse-style attack on the model just fine-tuned, over the same questions
+    # the AddSentDiverse-style attack on the model just fine-tuned, over the same questions: each context as it
+    # is, then with one declarative sentence appended that holds another question's answer
+    import truneg.squad
     from truneg.robustness import evaluate_squad
 
+    asked = []
+    predict_answers = truneg.squad.predict_answers
+    monkeypatch.setattr(truneg.squad, "predict_answers", lambda model, tokenizer, data, *a: asked.append(data) or
+                        predict_answers(model, tokenizer, data, *a))
     attacked = evaluate_squad(tmp_path / "fit" / "model", questions, tmp_path / "attack", max_eval_samples=n,
                               max_seq_len=SQUAD_RECIPE["max_seq_len"], doc_stride=SQUAD_RECIPE["doc_stride"])
     assert attacked["original_f1"] == pytest.approx(trained["f1"])  # the saved model scores as before
     assert attacked["drop_f1"] == pytest.approx(attacked["original_f1"] - attacked["transformed_f1"])
+    original, distracted = asked
+    assert original == examples
+    answers = {answer for e in examples for answer in e["answers"]}
+    fakes = 0
+    for example, changed in zip(examples, distracted):
+        assert changed["context"].startswith(example["context"] + " ") and changed["context"].endswith(".")
+        assert {**changed, "context": example["context"]} == example  # only the context changes
+        added = changed["context"][len(example["context"]) + 1:]
+        fakes += any(answer.lower() in added.lower() for answer in answers - set(example["answers"]))
+    assert fakes > n / 2  # another question's answer, whole where the synonym swaps left it so

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from truneg.errors import UserError, int_at_least
+from truneg.run_config import CHECKPOINTS
 
 VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
 # The paper's Table 3 (as ELECTRA): "STS is reported by Spearman correlation, CoLA ... by Matthew's correlation,
@@ -76,14 +77,14 @@ def run_ablation(args) -> dict:
     scores: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
         run_dir = out / variant.replace("+", "_")
-        latest = latest_tag(run_dir / "checkpoints")
+        latest = latest_tag(run_dir / CHECKPOINTS)
         if latest is None or step_of_tag(latest) != args.steps:  # not run, or cut short: it resumes
             pretrain(variant, args, run_dir)
-            latest = latest_tag(run_dir / "checkpoints")
+            latest = latest_tag(run_dir / CHECKPOINTS)
             if latest is None or step_of_tag(latest) != args.steps:  # a stop signal ends a run early, with status 0
                 raise UserError(f"pre-training {variant} stopped at {latest or 'no checkpoint'}, short of --steps "
                                 f"{args.steps}; run the same ablation again to continue it")
-        export(run_dir / "checkpoints", run_dir / "hf")
+        export(run_dir / CHECKPOINTS, run_dir / "hf")
         scores[variant] = {}
         for task in tasks:
             results = finetune(task, run_dir / "hf", glue_dir / TASKS[task].folder, run_dir / "glue" / task,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from truneg.distributed import on_rank_zero
 from truneg.errors import UserError
+from truneg.run_config import CHECKPOINTS
 
 UNIVERSAL_INFO = {"universal_checkpoint_version": 0.2}
 META_FILE = "truneg_meta.json"
@@ -69,8 +70,8 @@ def complete_tags(checkpoint_dir: Path) -> list[str]:
 def resolve(path: str | Path) -> tuple[Path, str | None]:
     """A run's output folder, its checkpoints folder, or one tag folder -> (checkpoints folder, tag or None)."""
     path = Path(path)
-    if (path / "checkpoints" / "latest").is_file():
-        return path / "checkpoints", None
+    if (path / CHECKPOINTS / "latest").is_file():
+        return path / CHECKPOINTS, None
     if (path / "latest").is_file():
         return path, None
     if path.is_dir() and ((path.parent / "latest").is_file() or (path.parent / HF_CONFIG_DIR).is_dir()):
@@ -131,7 +132,8 @@ def convert_to_universal(checkpoint_dir: Path, tag: str) -> Path:
     return out
 
 
-def _rank_file(checkpoint_dir: Path, tag: str, rank: int) -> Path:
+def rank_state_file(checkpoint_dir: Path, tag: str, rank: int) -> Path:
+    """The rank's own state in a tag (data position, RNG): DeepSpeed's files hold the model and optimizer."""
     return checkpoint_dir / tag / f"truneg_rank{rank:05d}.pt"
 
 
@@ -140,7 +142,7 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state
     tag = tag_for_step(step)
     rank = dist.get_rank()
     on_rank_zero(lambda: _clear(checkpoint_dir, tag), f"clear the old {checkpoint_dir / tag}")
-    path = _rank_file(checkpoint_dir, tag, rank)
+    path = rank_state_file(checkpoint_dir, tag, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state, path)
     state = {**client_state, "universal_checkpoint_info": UNIVERSAL_INFO}
@@ -225,7 +227,7 @@ def load(engine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
         ) from None
     if path is None:
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag}; it is incomplete")
-    rank_file = _rank_file(checkpoint_dir, tag, dist.get_rank())
+    rank_file = rank_state_file(checkpoint_dir, tag, dist.get_rank())
     rank_state = None
     if rank_file.is_file() and client_state.get("world_size") == dist.get_world_size():
         rank_state = torch.load(rank_file, weights_only=False)
@@ -259,7 +261,7 @@ def find_resume_point(resume: str, output_dir: Path) -> ResumePoint | None:
     if resume == "none":
         return None
     if resume == "auto":
-        checkpoint_dir = output_dir / "checkpoints"
+        checkpoint_dir = output_dir / CHECKPOINTS
         tag = latest_tag(checkpoint_dir)
         if tag is None:
             return None

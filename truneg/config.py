@@ -16,6 +16,8 @@ from truneg.errors import UserError
 
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 CPU_CONFIG = DS_CONFIGS / "cpu_zero2.json"
+# DeepSpeed's monitor sections, with the folder under --output-dir of each that writes files
+MONITORS = {"tensorboard": "tensorboard", "csv_monitor": "csv", "wandb": None, "comet": None}
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores. Below it (V100, sm_70) bf16 is only emulated.
 
 # (preset, continued from a checkpoint) -> recipe stem; the hardware picks `<stem>_v100_fp16_zero2` or
@@ -213,8 +215,7 @@ def resolve(
             choices.append("bf16 gradients accumulate in fp32 (data_types.grad_accum_dtype)")
         elif stage == 0 and config["gradient_accumulation_steps"] > 1:
             choices.append("bf16 gradients accumulate in bf16: DeepSpeed has no fp32 accumulation for bf16 at ZeRO stage 0")
-    monitor_dirs = {"tensorboard": "tensorboard", "csv_monitor": "csv", "wandb": None, "comet": None}
-    for section, subdir in monitor_dirs.items():
+    for section, subdir in MONITORS.items():
         if section in config and subdir is not None:
             config[section]["output_path"] = str(Path(output_dir) / subdir)
             config[section].setdefault("job_name", "")

@@ -44,16 +44,6 @@ def load_tokenizer(name_or_dir: str | Path = DEFAULT_TOKENIZER):
         raise UserError(f"cannot load tokenizer {name_or_dir} ({err}); pass a folder with vocab.txt") from None
 
 
-def pack_blocks(flat_ids: np.ndarray, seq_len: int, cls_id: int, sep_id: int) -> np.ndarray:
-    """Cut the token stream into [n, seq_len] blocks framed by [CLS] .. [SEP]; the tail is dropped."""
-    body = seq_len - 2
-    n = len(flat_ids) // body
-    blocks = np.empty((n, seq_len), dtype=np.int32)
-    blocks[:, 0], blocks[:, -1] = cls_id, sep_id
-    blocks[:, 1:-1] = flat_ids[: n * body].reshape(n, body)
-    return blocks
-
-
 # ---------------------------------------------------------------------------------------------------
 # Prepared folders
 # ---------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from truneg.config import MONITORS
 from truneg.errors import UserError
 
 
@@ -147,7 +148,7 @@ def seed_everything(seed: int) -> None:
 # would build DeepSpeed's own optimizer and silently drop the layer-wise groups; `scheduler` would replace the
 # recipe's warmup; the monitors would write into the current folder (Trainer reports nothing: report_to none).
 REPLACED_DS_SECTIONS = ("optimizer", "scheduler")
-DROPPED_DS_MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+DROPPED_DS_MONITORS = tuple(MONITORS)
 
 
 def finetuning_deepspeed_config(path: str | Path) -> dict:

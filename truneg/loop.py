@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from truneg import checkpoint
+from truneg.config import MONITORS
 from truneg.data import ResumableSampler
 from truneg.distributed import on_rank_zero, seed
 from truneg.errors import UserError
@@ -204,10 +205,9 @@ def train(cfg: RunConfig, engine, state: TrainState) -> None:
             return
     if state.rank == 0:
         elapsed = time.perf_counter() - started
-        out = cfg.output_dir
         print(f"truneg: done, {engine.global_steps - start_step} steps in {elapsed:.0f} s\n"
-              f"  checkpoints: {out / 'checkpoints'} (resume: run the same command)\n"
-              f"  metrics:     {out / 'metrics.jsonl'}\n"
-              f"  tensorboard: tensorboard --logdir {out / 'tensorboard'}", flush=True)
+              f"  checkpoints: {cfg.checkpoint_dir} (resume: run the same command)\n"
+              f"  metrics:     {cfg.metrics_file}\n"
+              f"  tensorboard: tensorboard --logdir {cfg.output_dir / MONITORS['tensorboard']}", flush=True)
         if cfg.compile:
             print(f"truneg: {compile_summary()}", flush=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from truneg.run_config import METRICS
+
 
 def _step_of(line: str) -> float:
     """A record's step; a line a kill cut short (it was being written after the checkpoint) counts as later."""
@@ -26,7 +28,7 @@ def _step_of(line: str) -> float:
 class MetricsLogger:
     def __init__(self, engine, output_dir: Path, seq_len: int, rank: int):
         self.engine, self.seq_len, self.rank = engine, seq_len, rank
-        self.jsonl = output_dir / "metrics.jsonl"
+        self.jsonl = output_dir / METRICS
         # The interval's sums: one float64 tensor on the device, named by `keys` (the first micro-step's).
         self.keys: list[str] = []
         self.sums: torch.Tensor | None = None

@@ -131,10 +131,22 @@ def encode(backend, texts: list[str], sep_id: int, rows_are_documents: bool) -> 
     return np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=count)
 
 
+def pack_blocks(stream: np.ndarray, seq_len: int, cls_id: int, sep_id: int,
+                dtype: np.dtype | type = np.int32) -> tuple[np.ndarray, np.ndarray]:
+    """Cut a token stream into [n, seq_len] blocks framed by [CLS] .. [SEP]: the blocks, and the tail left over
+    (the next piece's start, or dropped at a unit's end)."""
+    body = seq_len - 2
+    n = len(stream) // body
+    blocks = np.empty((n, seq_len), dtype=dtype)
+    blocks[:, 0], blocks[:, -1] = cls_id, sep_id
+    blocks[:, 1:-1] = stream[: n * body].reshape(n, body)
+    return blocks, stream[n * body:]
+
+
 def _prepare_unit(job: dict) -> dict:
     """Tokenize and pack one unit into its shard; returns the shard's committed record."""
     unit, settings, folder = job["unit"], job["settings"], Path(job["folder"])
-    seq_len, body = settings["seq_len"], settings["seq_len"] - 2
+    seq_len = settings["seq_len"]
     dtype = np.dtype(settings["dtype"])
     source = settings["sources"][unit["source"]]
     backend = _WORKER["tokenizer"]
@@ -153,16 +165,11 @@ def _prepare_unit(job: dict) -> dict:
             replaced += bad
             ids = encode(backend, texts, settings["sep_id"], source["kind"] == "hf")
             tokens += len(ids)
-            stream = np.concatenate([carry, ids])
-            n = len(stream) // body
-            out = np.empty((n, seq_len), dtype=dtype)
-            out[:, 0], out[:, -1] = settings["cls_id"], settings["sep_id"]
-            out[:, 1:-1] = stream[: n * body].reshape(n, body)
+            out, carry = pack_blocks(np.concatenate([carry, ids]), seq_len, settings["cls_id"], settings["sep_id"], dtype)
             data = out.tobytes()
             fh.write(data)
             shard_digest.update(data)
-            blocks += n
-            carry = stream[n * body:]
+            blocks += len(out)
         fh.flush()
         os.fsync(fh.fileno())
     tmp.replace(shard)

@@ -6,7 +6,10 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import torch
+# The output folder's layout (--output-dir), besides run.json (run_dir.RUN_FILE) and DeepSpeed's monitors'
+# folders (config.MONITORS).
+CHECKPOINTS = "checkpoints"  # DeepSpeed's tags and `latest`
+METRICS = "metrics.jsonl"  # truneg's record of each logged step
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,15 @@ class RunConfig:
         values["output_dir"] = Path(args.output_dir)
         values["max_predictions"] = args.max_predictions or default_max_predictions(args.seq_len)
         if args.data_workers is None:  # background masking where a GPU waits for it; on CPU ranks it takes a core
+            import torch
+
             values["data_workers"] = 2 if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else 0
         return cls(**values)
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.output_dir / "checkpoints"
+        return self.output_dir / CHECKPOINTS
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.output_dir / METRICS

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from truneg.config import MONITORS
 from truneg.distributed import on_rank_zero
 from truneg.errors import UserError
-from truneg.run_config import RunConfig
+from truneg.run_config import CHECKPOINTS, METRICS, RunConfig
 
 RUN_FILE = "run.json"
 SHARED_PROBE_TIMEOUT_S = 10.0  # network file systems cache attributes for a few seconds
@@ -23,8 +24,7 @@ SHARED_PROBE_TIMEOUT_S = 10.0  # network file systems cache attributes for a few
 def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
     """What makes two invocations the same run: everything but lengths, intervals and monitor paths.
     `parts` names what was built or loaded (model architecture, the synonym table's and the data's hashes)."""
-    per_world = ("tensorboard", "csv_monitor", "wandb", "comet", "train_micro_batch_size_per_gpu",
-                 "gradient_accumulation_steps", "checkpoint")
+    per_world = (*MONITORS, "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "checkpoint")
     config = {k: copy.deepcopy(v) for k, v in ds_config.items() if k not in per_world}
     scheduler = config.get("scheduler", {}).get("params", {})
     scheduler.pop("total_num_steps", None)
@@ -94,9 +94,9 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
 
     def record() -> None:
         if cfg.overwrite:
-            for name in ("checkpoints", "tensorboard", "csv"):
+            for name in (CHECKPOINTS, *filter(None, MONITORS.values())):
                 shutil.rmtree(out / name, ignore_errors=True)
-            (out / "metrics.jsonl").unlink(missing_ok=True)
+            (out / METRICS).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         tmp = run_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
