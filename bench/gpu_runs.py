@@ -16,8 +16,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-DS_CONFIGS = REPO / "ds_configs"
-CORPUS = REPO / "truneg" / "assets" / "corpus"
+from truneg.config import DS_CONFIGS  # noqa: E402
+from truneg.data import DEMO_CORPUS as CORPUS  # noqa: E402
 
 
 @dataclass(frozen=True)

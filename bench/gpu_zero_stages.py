@@ -35,9 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_runs import patched, plain_step, read_records, start_memory_peak  # noqa: E402
+from bench.gpu_runs import DS_CONFIGS, patched, plain_step, read_records, start_memory_peak  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 MICRO, ACCUM = 64, 4
 STEPS = 15 if len(sys.argv) == 1 else 25
 PROFILED_STEPS = 2  # fewer events: the profiler's host work is smaller, and so is the trace
@@ -100,7 +99,7 @@ def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", mic
     `flags` added to the command line, at `micro` x as many micro-steps as make MICRO x ACCUM samples."""
     from truneg import loop, pretrain
 
-    config = json.loads((REPO / "ds_configs" / f"{model.replace('-', '_')}_a100_bf16_zero1.json").read_text())
+    config = json.loads((DS_CONFIGS / f"{model.replace('-', '_')}_a100_bf16_zero1.json").read_text())
     config["zero_optimization"] = {"stage": stage}
     if stage == 0:  # DeepSpeed refuses fp32 gradient accumulation with bf16 at stage 0
         config.pop("data_types", None)

@@ -43,13 +43,13 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from bench.hc_sr_overhead import real_batch
-    from truneg.config import resolve
+    from truneg.config import DS_CONFIGS, resolve
     from truneg.data import load_tokenizer
     from truneg.distributed import init_distributed
     from truneg.models import ObjectiveConfig, build_pretrainer
 
     init_distributed()
-    config, _ = resolve(REPO / "ds_configs" / "cpu_zero2.json", dist.get_world_size(), 100, Path(args.out),
+    config, _ = resolve(DS_CONFIGS / "cpu_zero2.json", dist.get_world_size(), 100, Path(args.out),
                         micro_batch=2, grad_accum=1)
     config["zero_optimization"] = {"stage": args.stage}
     config.pop("tensorboard", None)

@@ -20,15 +20,6 @@ from truneg.errors import UserError, int_at_least
 from truneg.run_config import CHECKPOINTS
 
 VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
-# The paper's Table 3 (as ELECTRA): "STS is reported by Spearman correlation, CoLA ... by Matthew's correlation,
-# and other tasks are reported by accuracy" (MRPC and QQP too; results.json has their F1 besides)
-MAIN_METRIC = {"cola": "matthews_correlation", "stsb": "spearmanr"}
-
-
-def main_score(task: str, results: dict) -> float:
-    return 100 * results[MAIN_METRIC.get(task, "accuracy")]
-
-
 def pretrain(variant: str, args, out: Path) -> None:
     deepspeed = Path(sys.executable).parent / "deepspeed"
     cmd = [str(deepspeed), "--num_gpus", str(args.num_gpus), "--master_port", str(args.master_port),
@@ -63,7 +54,7 @@ def format_table(scores: dict[str, dict[str, float]], tasks: list[str]) -> str:
 def run_ablation(args) -> dict:
     from truneg.checkpoint import latest_tag, step_of_tag
     from truneg.export import export
-    from truneg.glue import TASKS, finetune
+    from truneg.glue import TASKS, finetune, main_metric
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
@@ -90,7 +81,7 @@ def run_ablation(args) -> dict:
             results = finetune(task, run_dir / "hf", glue_dir / TASKS[task].folder, run_dir / "glue" / task,
                                epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                                max_train_samples=args.max_train_samples, seed=args.seed)
-            scores[variant][task] = main_score(task, results)
+            scores[variant][task] = 100 * results[main_metric(task)]
         print(f"{variant}: " + ", ".join(f"{t} {s:.2f}" for t, s in scores[variant].items()), flush=True)
     table = format_table(scores, tasks)
     print(table)
@@ -101,11 +92,13 @@ def run_ablation(args) -> dict:
 
 
 def add_command(commands) -> None:
+    from truneg.data import DEMO_CORPUS
+
     parser = commands.add_parser("ablation", help="baseline / HC / SR / HC+SR pre-training, then GLUE (paper Tables 3, 6)")
     parser.add_argument("--preset", default="bert-tiny")
     parser.add_argument("--tasks", default="rte,mrpc")
     parser.add_argument("--steps", type=int_at_least(1), default=300)
-    parser.add_argument("--train-data", nargs="+", default=[str(Path(__file__).parent / "assets" / "corpus")])
+    parser.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)])
     parser.add_argument("--glue-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"))
     parser.add_argument("--output-dir", default="runs/ablation")
     parser.add_argument("--num-gpus", type=int, default=2, help="ranks per node (CPU ranks on a machine without GPUs)")

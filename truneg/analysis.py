@@ -213,13 +213,14 @@ def evaluate(mlm, blocks: np.ndarray, tokenizer, lookup, prediction: str = "defa
     from transformers import BertForMaskedLM
 
     from truneg.masking import default_max_predictions, mask_tokens
-    from truneg.models import bert_masked_logits, generator_masked_logits
+    from truneg.models import BertPretrainer, ElectraPretrainer, bert_masked_logits, generator_masked_logits
     from truneg.objectives import false_negative_counts, gumbel_max_sample, hard_correction
 
     is_bert = isinstance(mlm, BertForMaskedLM)
     scheme, logits_of = ("bert", bert_masked_logits) if is_bert else ("electra", generator_masked_logits)
     encoder = mlm.bert if is_bert else mlm.electra
-    prediction = ("argmax" if is_bert else "sample") if prediction == "default" else prediction
+    if prediction == "default":  # what pre-training's HC judges: BERT's argmax, ELECTRA's generator sample
+        prediction = (BertPretrainer if is_bert else ElectraPretrainer).default_prediction
     counts, cases = FnCounts(label, step), []
     total = len(blocks) if max_sequences is None else min(max_sequences, len(blocks))
     max_predictions = default_max_predictions(blocks.shape[1])

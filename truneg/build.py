@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -10,15 +11,20 @@ from truneg import checkpoint
 from truneg.errors import UserError
 from truneg.run_config import RunConfig
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from truneg.synonyms import SynonymTable
+
 
 def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict:
     """The DeepSpeed config as deepspeed.initialize gets it: the file (or the default for the preset and the
     hardware), the batch split for this world size, the command-line overrides, and the checkpoint format
     to load. The same checks as `truneg preflight`; rank 0 prints what was chosen."""
-    from truneg.preflight import check_start, resolve_config
+    from truneg.preflight import resolve_config, start_problems
 
     config, choices = resolve_config(cfg, world_size)
-    problems = check_start(cfg, config, world_size)
+    problems = start_problems(cfg, config, world_size)
     if problems:
         raise UserError(problems[0] if len(problems) == 1 else "; ".join(problems))
     if os.environ.get("RANK", "0") == "0":
@@ -34,8 +40,8 @@ class Start:
     """What the checks before any process group found: every later stage starts from it."""
 
     ds_config: dict
-    tokenizer: object
-    table: object  # SynonymTable | None
+    tokenizer: PreTrainedTokenizerBase
+    table: SynonymTable | None
     resume: checkpoint.ResumePoint | None
 
 

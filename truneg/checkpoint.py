@@ -218,8 +218,6 @@ def load(engine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
         path, client_state = engine.load_checkpoint(
             str(checkpoint_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
-    except UserError:
-        raise
     except Exception as err:  # torch.load and ZeRO raise many types on damaged or foreign files
         raise UserError(
             f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]}); "

@@ -56,7 +56,7 @@ def local_capability() -> tuple[int, int] | None:
 def default_config_path(preset: str | None = None, capability: tuple[int, int] | None | str = "local",
                         continued: bool = False) -> Path:
     """The recipe for a preset on this hardware: cpu_zero2 on the CPU; on GPUs the preset's recipe (the
-    paper's continued one with `continued`), fp16 below compute capability 8.0 and bf16 from it, ZeRO-2.
+    paper's continued one with `continued`): fp16 at ZeRO-2 below compute capability 8.0, bf16 at ZeRO-1 from it.
 
     capability "local" reads this machine's GPU; None means the CPU. A preset None is electra-base."""
     if capability == "local":

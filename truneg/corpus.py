@@ -7,7 +7,7 @@ machine of a split preparation plans the same units, and a unit's shard is the s
 process, part or restart makes it. Inside a unit, text is read in chunks of about CHUNK_BYTES, which is
 what bounds a worker's memory (not the unit size).
 
-Documents as before: a blank line ends a document in text files (it becomes one [SEP]); each row of
+Documents: a blank line ends a document in text files (it becomes one [SEP]); each row of
 an `hf:` dataset is a document (its tokens, then [SEP]).
 """
 from __future__ import annotations

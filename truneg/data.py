@@ -1,9 +1,8 @@
-"""Corpus -> prepared folder of packed token blocks (memory-mapped) -> resumable sampler -> dynamic masking.
+"""Corpus -> prepared folder of packed token blocks (memory-mapped) -> resumable sampler (masking: masking.py).
 
 Blocks are `[CLS] t1 .. t_{L-2} [SEP]` cut from the token stream of each unit of the corpus (see
-truneg/prepare.py); a blank line ends a document and puts a [SEP] into the stream. Masking is a pure
-function of (seed, epoch, sequence index), so it is drawn anew at each epoch, is identical after a resume,
-and does not depend on the world size.
+truneg/prepare.py); a blank line ends a document and puts a [SEP] into the stream. The sampler's order is a
+pure function of (seed, epoch), so it is identical after a resume and does not depend on the world size.
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from truneg import prepare as prep
-from truneg.corpus import resolve_text_files  # noqa: F401  (re-exported: the corpus resolver of the CLIs)
 from truneg.errors import UserError
 
 ASSETS = Path(__file__).parent / "assets"

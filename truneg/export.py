@@ -1,7 +1,8 @@
 """Export a truneg ZeRO checkpoint to HF `save_pretrained` folders.
 
-The fp32 weights come from DeepSpeed's zero_to_fp32 utilities (any ZeRO stage, any world size); the
-HF configs were saved beside the checkpoints when the run started.
+The weights come from checkpoint.fp32_state_dict (any world size): DeepSpeed's zero_to_fp32 for ZeRO-1/2/3
+partitions, BF16_Optimizer's fp32 masters for the bf16 recipes, and at ZeRO-0 the model file's weights as the
+run held them (fp16 in an fp16 run). The HF configs were saved beside the checkpoints when the run started.
 
     truneg export runs/demo/checkpoints runs/demo/hf            # BERT: one MLM folder
                                                                 # ELECTRA: hf/generator and hf/discriminator
@@ -29,10 +30,15 @@ def save_hf_configs(model, checkpoint_dir: Path, tokenizer) -> None:
         if hasattr(model, part):
             getattr(model, part).config.save_pretrained(checkpoint_dir / HF_CONFIG_DIR / part)
     folder = checkpoint_dir / HF_CONFIG_DIR / TOKENIZER_DIR
+    save_tokenizer(tokenizer, Path(tokenizer.name_or_path), folder)
+
+
+def save_tokenizer(tokenizer, source: Path, folder: Path) -> None:
+    """The tokenizer, and its source folder's vocab.txt: transformers 5 writes only tokenizer.json, and older
+    readers and the synonym tables want vocab.txt."""
     tokenizer.save_pretrained(folder)
-    vocab = Path(tokenizer.name_or_path) / "vocab.txt"
-    if vocab.is_file():  # transformers 5 writes only tokenizer.json; older readers and synonyms want vocab.txt
-        shutil.copyfile(vocab, folder / "vocab.txt")
+    if (source / "vocab.txt").is_file():
+        shutil.copyfile(source / "vocab.txt", folder / "vocab.txt")
 
 
 def load_parts(checkpoint_path: str | Path) -> tuple[dict, int]:
@@ -68,9 +74,6 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
     for name, model in parts.items():
         folder = out_dir if name == "mlm" else out_dir / name
         model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        vocab = Path(tokenizer_dir) / "vocab.txt"
-        if vocab.is_file():  # transformers 5 writes only tokenizer.json; older readers and synonyms want vocab.txt
-            shutil.copyfile(vocab, folder / "vocab.txt")
+        save_tokenizer(tokenizer, Path(tokenizer_dir), folder)
         written[name] = folder
     return written

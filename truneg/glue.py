@@ -16,7 +16,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import random
 import re
 import sys
 from collections.abc import Callable
@@ -92,6 +91,13 @@ def read_tsv(path: Path, task: Task) -> list[tuple[str, str | None, float | int]
 METRIC_NAMES = ("accuracy", "f1", "matthews_correlation", "pearson", "spearmanr")
 
 
+def main_metric(task_name: str) -> str:
+    """The score a task is reported by, as in the paper's Table 3 (as ELECTRA): "STS is reported by Spearman
+    correlation, CoLA ... by Matthew's correlation, and other tasks are reported by accuracy" (MRPC and QQP too;
+    results.json has their F1 besides)."""
+    return {"cola": "matthews_correlation", "stsb": "spearmanr"}.get(task_name, "accuracy")
+
+
 def compute_metrics(task_name: str, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """GLUE's official metrics, from scikit-learn and scipy."""
     from scipy.stats import pearsonr, spearmanr
@@ -121,6 +127,8 @@ def layerwise_param_groups(model, lr: float, decay: float, weight_decay: float) 
     """ELECTRA's layer-wise learning-rate decay (its `_get_layer_lrs`): lr x decay^(layers + 2 - depth), where
     the embeddings and `embeddings_project` are depth 0, layer i is depth i + 1 and the task head (and BERT's
     pooler) depth layers + 2. The top layer thus gets lr x decay^2, the head lr."""
+    from truneg.models import decays
+
     num_layers = model.config.num_hidden_layers
     groups: dict[tuple[int, bool], list] = {}
     for name, param in model.named_parameters():
@@ -130,16 +138,10 @@ def layerwise_param_groups(model, lr: float, decay: float, weight_decay: float) 
             depth = int(match.group(2)) + 1
         else:
             depth = num_layers + 2  # the task head, BERT's pooler
-        no_decay = name.endswith("bias") or "LayerNorm" in name
+        no_decay = not decays(name)
         groups.setdefault((depth, no_decay), []).append(param)
     return [{"params": params, "lr": lr * decay ** (num_layers + 2 - depth),
              "weight_decay": 0.0 if no_decay else weight_decay} for (depth, no_decay), params in sorted(groups.items())]
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 # --- fine-tuning through HF's Trainer (GLUE and SQuAD) ------------------------------------------------
@@ -274,7 +276,7 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
              seed: int = 42, warmup_ratio: float = 0.1, weight_decay: float = 0.01, layerwise_decay: float = 0.8,
              deepspeed_config: str | None = None) -> dict:
     """Fine-tune and evaluate on the dev set(s); writes and returns results.json's content."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
     if task_name not in TASKS:
         raise UserError(f"unknown GLUE task {task_name!r}; choose one of {', '.join(TASKS)}")
@@ -287,7 +289,7 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
     regression = task.labels is None
     epochs = task.epochs if epochs is None else epochs
 
-    seed_everything(seed)
+    set_seed(seed)  # transformers': Python, numpy and torch (CUDA too)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(
         model_dir, num_labels=1 if regression else len(task.labels),

@@ -345,14 +345,18 @@ def set_dropout(model: nn.Module, p: float) -> None:
             config.hidden_dropout_prob = config.attention_probs_dropout_prob = p
 
 
+def decays(name: str) -> bool:
+    """BERT's and ELECTRA's rule: weight decay on every parameter but biases and LayerNorm weights."""
+    return not (name.endswith("bias") or "LayerNorm" in name)
+
+
 def parameter_groups(model: nn.Module) -> list[dict]:
-    """BERT's and ELECTRA's rule: no weight decay on biases and LayerNorm weights. The first group takes the
-    config's weight_decay, the second 0."""
+    """Pre-training's two groups (see `decays`): the first takes the config's weight_decay, the second 0."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if name.endswith("bias") or "LayerNorm" in name else decay).append(param)
+        (decay if decays(name) else no_decay).append(param)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -26,6 +26,14 @@ def hard_correction(gold: torch.Tensor, pred: torch.Tensor, lookup: SynonymLooku
     return (pred != gold) & lookup.is_synonym(gold, pred)
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of `values` where `mask` is set (all of them with no mask); 0, not NaN, where none is."""
+    if mask is None:
+        return values.mean()
+    weights = mask.to(values.dtype)
+    return (values * weights).sum() / weights.sum().clamp(min=1)
+
+
 def mlm_loss(logits: torch.Tensor, gold: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Cross-entropy averaged over the masked positions `keep` marks (the valid slots that hard correction
     left labelled).
@@ -35,7 +43,7 @@ def mlm_loss(logits: torch.Tensor, gold: torch.Tensor, keep: torch.Tensor) -> to
     """
     labels = torch.where(keep, gold, torch.full_like(gold, -100))
     per_position = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
-    return per_position.sum() / keep.sum().clamp(min=1)
+    return masked_mean(per_position, keep.flatten())
 
 
 def soft_regularization(
@@ -58,23 +66,21 @@ def soft_regularization(
     counted = gold_vectors.ne(0).any(-1) & pred_vectors.ne(0).any(-1)
     if valid is not None:
         counted = counted & valid
-    return (per_position * counted).sum() / counted.sum().clamp(min=1)
+    return masked_mean(per_position, counted)
 
 
 def sentence_regularization(
-    h_pred: torch.Tensor, h_gold: torch.Tensor, attention_mask: torch.Tensor | None = None
+    h_pred: torch.Tensor, h_s: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The paper's SR_Sent: KL(softmax(H_p) || softmax(H_s)) over the hidden dimension, averaged over tokens.
 
-    `h_pred` encodes the sentence with predictions filled in, `h_gold` the original; both [B, L, H].
+    `h_pred` (H_p) encodes the sentence with the predictions filled in; `h_s` (H_s) the masked sentence s (BERT's
+    default, the MLM's own pass) or the original (`--sr-sent-target original`, and ELECTRA); both [B, L, H].
     """
     log_p = F.log_softmax(h_pred.float(), dim=-1)
-    log_s = F.log_softmax(h_gold.float(), dim=-1)
+    log_s = F.log_softmax(h_s.float(), dim=-1)
     per_token = (log_p.exp() * (log_p - log_s)).sum(dim=-1)
-    if attention_mask is None:
-        return per_token.mean()
-    weights = attention_mask.to(per_token.dtype)
-    return (per_token * weights).sum() / weights.sum().clamp(min=1)
+    return masked_mean(per_token, attention_mask)
 
 
 def replaced_token_labels(
@@ -94,10 +100,7 @@ def discriminator_loss(
 ) -> torch.Tensor:
     """Binary cross-entropy of replaced-token detection, averaged over the real (non-pad) tokens."""
     per_token = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
-    if attention_mask is None:
-        return per_token.mean()
-    weights = attention_mask.to(per_token.dtype)
-    return (per_token * weights).sum() / weights.sum().clamp(min=1)
+    return masked_mean(per_token, attention_mask)
 
 
 def false_negative_counts(

@@ -7,7 +7,7 @@ prints what the run would do, one `key: value` a line, and exits 0; or one line 
 
 pretrain.py's start-up calls, before deepspeed.init_distributed:
     config, choices = resolve_config(args, world_size)       # choices: lines for rank 0 to print
-    problems = check_start(args, config, world_size)         # [] when the run can start
+    problems = start_problems(args, config, world_size)      # [] when the run can start
 """
 from __future__ import annotations
 
@@ -181,28 +181,26 @@ def _check_output_dir(output_dir: Path, nodes: int) -> list[str]:
         existing = existing.parent
     if not existing.is_dir():
         return [f"--output-dir {output_dir}: {existing} is a file; pass a folder"]
-    import os
-
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"--output-dir {output_dir}: {existing} is not writable; pass a folder you can write"]
     return []
 
 
 def _check_corpus(train_data: list[str]) -> list[str]:
-    from truneg import data
+    from truneg.corpus import is_hf, resolve_text_files
+    from truneg.data import is_prepared  # a folder `truneg prepare` wrote
 
-    prepared = getattr(data, "is_prepared", lambda spec: False)  # a folder `truneg prepare` wrote
-    files = [spec for spec in train_data if not str(spec).startswith("hf:") and not prepared(spec)]
+    files = [spec for spec in train_data if not is_hf(spec) and not is_prepared(spec)]
     if not files:
         return []
     try:
-        data.resolve_text_files(files)
+        resolve_text_files(files)
     except UserError as err:
         return [str(err)]
     return []
 
 
-def check_start(args: argparse.Namespace, config: dict, world_size: int, capability=_LOCAL,
+def start_problems(args: argparse.Namespace, config: dict, world_size: int, capability=_LOCAL,
                 nodes: int = 1) -> list[str]:
     """Every problem that would stop (or silently spoil) the run, one line each; [] when it can start.
 
@@ -323,7 +321,7 @@ def run(argv: list[str] | None = None) -> int:
     except UserError as err:
         problems.append(str(err))
     if config is not None:
-        problems += check_start(args, config, world_size, capability, nodes=max(len(hosts), 1))
+        problems += start_problems(args, config, world_size, capability, nodes=max(len(hosts), 1))
     if len(hosts) > 1:
         problems += check_multi_node_launch(args.train_data, launcher)
     if args.check_ssh and hosts:

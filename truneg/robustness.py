@@ -131,7 +131,7 @@ def evaluate_glue(task_name: str, model_dir, data_dir, output_dir, seed: int = 4
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from truneg.glue import TASKS, compute_metrics, read_tsv, resolve_model_dir
+    from truneg.glue import TASKS, compute_metrics, main_metric, read_tsv, resolve_model_dir
 
     if task_name not in TASKS:
         raise UserError(f"unknown GLUE task {task_name!r}; choose one of {', '.join(TASKS)}")
@@ -142,7 +142,7 @@ def evaluate_glue(task_name: str, model_dir, data_dir, output_dir, seed: int = 4
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir)
     regression = task.labels is None
-    metric = "matthews_correlation" if task_name == "cola" else "spearmanr" if regression else "accuracy"
+    metric = main_metric(task_name)
     scores = {}
     for name, subset in (("original", [rows[i] for i in index]), ("transformed", transformed)):
         predictions = classify(model, tokenizer, subset, regression)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from truneg.config import MONITORS
+from truneg.corpus import is_hf
 from truneg.distributed import on_rank_zero
 from truneg.errors import UserError
 from truneg.run_config import CHECKPOINTS, METRICS, RunConfig
@@ -29,7 +30,7 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
     scheduler = config.get("scheduler", {}).get("params", {})
     scheduler.pop("total_num_steps", None)
     return {
-        "model": cfg.model, "train_data": sorted(str(Path(p).resolve()) if not p.startswith("hf:") else p
+        "model": cfg.model, "train_data": sorted(str(Path(p).resolve()) if not is_hf(p) else p
                                                  for p in cfg.train_data),
         "tokenizer": str(cfg.tokenizer), "seq_len": cfg.seq_len, "max_predictions": cfg.max_predictions,
         "seed": cfg.seed, "init_from": cfg.init_from, "hc": cfg.hc, "hc_prediction": cfg.hc_prediction,

@@ -173,14 +173,14 @@ def finetune_squad(model_dir, train_file, dev_file, output_dir, epochs: int = 2,
                    deepspeed_config: str | None = None) -> dict:
     """Fine-tune on HF's Trainer (glue.build_trainer: the same recipe) and score dev; writes results.json,
     predictions.json and the model."""
-    from transformers import AutoModelForQuestionAnswering, AutoTokenizer
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer, set_seed
 
-    from truneg.glue import build_trainer, resolve_model_dir, seed_everything, train_and_score
+    from truneg.glue import build_trainer, resolve_model_dir, train_and_score
 
     model_dir = resolve_model_dir(model_dir)
     train_examples = [e for e in read_squad(train_file) if e["answers"]][:max_train_samples]
     dev_examples = read_squad(dev_file)[:max_eval_samples]
-    seed_everything(seed)
+    set_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"{model_dir}'s tokenizer is not a fast tokenizer; SQuAD needs offset mappings")
