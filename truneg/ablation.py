@@ -10,6 +10,7 @@ with `truneg export`, and is fine-tuned on each task with the same hyper-paramet
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from truneg.errors import UserError, int_at_least
 from truneg.run_config import CHECKPOINTS
 
 VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
-def pretrain(variant: str, args, out: Path) -> None:
+def pretrain(variant: str, args: argparse.Namespace, out: Path) -> None:
     deepspeed = Path(sys.executable).parent / "deepspeed"
     cmd = [str(deepspeed), "--num_gpus", str(args.num_gpus), "--master_port", str(args.master_port),
            str(Path(__file__).with_name("pretrain.py")), "--model", args.preset, "--train-data", *args.train_data,
@@ -51,7 +52,7 @@ def format_table(scores: dict[str, dict[str, float]], tasks: list[str]) -> str:
     return "\n".join(lines)
 
 
-def run_ablation(args) -> dict:
+def run_ablation(args: argparse.Namespace) -> dict:
     from truneg.checkpoint import latest_tag, step_of_tag
     from truneg.export import export
     from truneg.glue import TASKS, finetune, main_metric

@@ -18,11 +18,17 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from truneg.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import BertForMaskedLM, ElectraForMaskedLM, PreTrainedTokenizerBase
+
+    from truneg.synonyms import SynonymLookup, SynonymTable
 
 CSV_COLUMNS = ["checkpoint", "step", "segmentation", "seq_len", "sequences", "masked", "mismatched", "corrected",
                "iter_ratio", "pred_ratio"]
@@ -91,7 +97,7 @@ def text_segments(files: list[Path], segmentation: str) -> list[str]:
     return segments
 
 
-def segment_sequences(segments: list[str], tokenizer, seq_len: int) -> np.ndarray:
+def segment_sequences(segments: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> np.ndarray:
     """[n, seq_len] int32: each segment's tokens in consecutive [CLS] .. [SEP] sequences, [PAD] after."""
     body = seq_len - 2
     encoded = tokenizer(segments, add_special_tokens=False, return_attention_mask=False,
@@ -105,7 +111,7 @@ def segment_sequences(segments: list[str], tokenizer, seq_len: int) -> np.ndarra
     return sequences
 
 
-def open_sequences(data: list[str], tokenizer, seq_len: int, segmentation: str) -> np.ndarray:
+def open_sequences(data: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, segmentation: str) -> np.ndarray:
     """The sequences fn-stats / fn-cases run over, for --segmentation packed | line | article."""
     from truneg.corpus import is_hf, resolve_text_files
     from truneg.data import open_training_blocks
@@ -163,7 +169,7 @@ def discover_checkpoints(paths: list[str | Path]) -> list[CheckpointRef]:
     return found
 
 
-def checkpoints_tokenizer(refs: list[CheckpointRef]):
+def checkpoints_tokenizer(refs: list[CheckpointRef]) -> PreTrainedTokenizerBase:
     """The tokenizer the checkpoints were trained with: the one saved beside a truneg tag's configs, or in an
     exported folder; bert-base-uncased's where none is saved. Checkpoints of different vocabularies are refused:
     their ratios would not be comparable, and one would read the other's token ids."""
@@ -184,7 +190,7 @@ def checkpoints_tokenizer(refs: list[CheckpointRef]):
     return chosen if chosen is not None else load_tokenizer(DEFAULT_TOKENIZER)
 
 
-def load_mlm(ref: CheckpointRef):
+def load_mlm(ref: CheckpointRef) -> BertForMaskedLM | ElectraForMaskedLM:
     """The masked LM of a checkpoint: BertForMaskedLM, or ELECTRA's generator (ElectraForMaskedLM)."""
     from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM
 
@@ -206,9 +212,10 @@ def load_mlm(ref: CheckpointRef):
 # ---------------------------------------------------------------------------------------------------
 
 
-def evaluate(mlm, blocks: np.ndarray, tokenizer, lookup, prediction: str = "default", seed: int = 0,
+def evaluate(mlm: BertForMaskedLM | ElectraForMaskedLM, blocks: np.ndarray, tokenizer: PreTrainedTokenizerBase,
+             lookup: SynonymLookup, prediction: str = "default", seed: int = 0,
              batch_size: int = 32, max_sequences: int | None = None, label: str = "", step: int = -1,
-             max_cases: int = 0, table=None) -> tuple[FnCounts, list[Case]]:
+             max_cases: int = 0, table: SynonymTable | None = None) -> tuple[FnCounts, list[Case]]:
     """Mask each block as training would (seed, epoch 0, block index) and count the HC corrections."""
     from transformers import BertForMaskedLM
 

@@ -12,8 +12,11 @@ from truneg.errors import UserError
 from truneg.run_config import RunConfig
 
 if TYPE_CHECKING:
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
+    from truneg.data import PreparedBlocks
     from truneg.synonyms import SynonymTable
 
 
@@ -44,6 +47,9 @@ class Start:
     table: SynonymTable | None
     resume: checkpoint.ResumePoint | None
 
+
+# --hc's keywords; any other value is a table file (FILE.npz)
+HC_SOURCES = ("none", "wordnet", "embedding")
 
 # DeepSpeed's fused optimizers, built just in time (and loaded under a lock) by the op of this name.
 JIT_OPTIMIZER_OPS = {"FusedAdam": "fused_adam", "FusedLamb": "fused_lamb"}
@@ -77,7 +83,7 @@ def check_start(cfg: RunConfig, world_size: int) -> Start:
     return Start(ds_config, tokenizer, table, resume)
 
 
-def open_blocks(cfg: RunConfig, tokenizer):
+def open_blocks(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[PreparedBlocks, dict]:
     """The memory-mapped blocks on every rank, once each node's local rank 0 has prepared them (a collective).
     Returns (blocks, the run-record entry naming the prepared data)."""
     from truneg.data import open_training_blocks
@@ -88,7 +94,7 @@ def open_blocks(cfg: RunConfig, tokenizer):
     return blocks, {"data": fingerprint}
 
 
-def synonym_table(cfg: RunConfig, tokenizer):
+def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> SynonymTable | None:
     """--hc none | wordnet | embedding | FILE.npz -> SynonymTable (or None)."""
     from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymTable, build_from_embeddings
 
@@ -107,16 +113,16 @@ def synonym_table(cfg: RunConfig, tokenizer):
             raise UserError("--hc embedding needs --hc-embeddings (a word2vec file or an HF model folder)")
         return build_from_embeddings(tokens, cfg.hc_embeddings)
     if not cfg.hc.endswith(".npz"):
-        raise UserError(f"--hc {cfg.hc!r}: use none, wordnet, embedding or a FILE.npz built by `truneg synonyms build`")
+        raise UserError(f"--hc {cfg.hc!r}: use {', '.join(HC_SOURCES)} or a FILE.npz built by `truneg synonyms build`")
     return SynonymTable.load(cfg.hc, expect_tokens=tokens)
 
 
-def table_fingerprint(table) -> str | None:
+def table_fingerprint(table: SynonymTable | None) -> str | None:
     """The synonym table's content hash for the run record: a rebuilt table is another run."""
     return None if table is None else table.content_sha256
 
 
-def build_model(cfg: RunConfig, table, vocab_size: int):
+def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int) -> torch.nn.Module:
     from truneg.distributed import seed
     from truneg.models import ObjectiveConfig, build_pretrainer
     from truneg.synonyms import SynonymLookup
@@ -127,7 +133,7 @@ def build_model(cfg: RunConfig, table, vocab_size: int):
     return build_pretrainer(cfg.model, objective, cfg.init_from, cfg.dropout, vocab_size)
 
 
-def build_engine(cfg: RunConfig, model, ds_config: dict):
+def build_engine(cfg: RunConfig, model: torch.nn.Module, ds_config: dict) -> DeepSpeedEngine:
     """deepspeed.initialize with two parameter groups (no weight decay on biases and LayerNorm)."""
     import deepspeed
 

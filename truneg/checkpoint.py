@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ import torch.distributed as dist
 from truneg.distributed import on_rank_zero
 from truneg.errors import UserError
 from truneg.run_config import CHECKPOINTS
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 UNIVERSAL_INFO = {"universal_checkpoint_version": 0.2}
 META_FILE = "truneg_meta.json"
@@ -137,7 +141,7 @@ def rank_state_file(checkpoint_dir: Path, tag: str, rank: int) -> Path:
     return checkpoint_dir / tag / f"truneg_rank{rank:05d}.pt"
 
 
-def save(engine, checkpoint_dir: Path, step: int, client_state: dict, rank_state: dict) -> str:
+def save(engine: DeepSpeedEngine, checkpoint_dir: Path, step: int, client_state: dict, rank_state: dict) -> str:
     """A collective: every rank calls it. Returns the tag."""
     tag = tag_for_step(step)
     rank = dist.get_rank()
@@ -211,7 +215,7 @@ def _remove(folder: Path) -> None:
         shutil.rmtree(doomed)
 
 
-def load(engine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
+def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
     """Load `tag`. Returns (client_state, this rank's state, or None if the checkpoint was written by
     another world size)."""
     try:

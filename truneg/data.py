@@ -14,11 +14,15 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from truneg import prepare as prep
 from truneg.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TOKENIZER = ASSETS / "vocab"
@@ -32,7 +36,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TRUNEG_CACHE", Path.home() / ".cache" / "truneg"))
 
 
-def load_tokenizer(name_or_dir: str | Path = DEFAULT_TOKENIZER):
+def load_tokenizer(name_or_dir: str | Path = DEFAULT_TOKENIZER) -> PreTrainedTokenizerBase:
     """The fast tokenizer of a folder or hub name (the default is the shipped bert-base-uncased vocab)."""
     from transformers import AutoTokenizer
 
@@ -124,7 +128,7 @@ def is_prepared(path: str | Path) -> bool:
     return (Path(path) / prep.INDEX).is_file()
 
 
-def open_prepared(folder: str | Path, tokenizer=None, seq_len: int | None = None) -> PreparedBlocks:
+def open_prepared(folder: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, seq_len: int | None = None) -> PreparedBlocks:
     """A prepared folder's blocks, checked against the tokenizer and --seq-len the run uses."""
     folder = Path(folder)
     if not is_prepared(folder):
@@ -146,7 +150,7 @@ def open_prepared(folder: str | Path, tokenizer=None, seq_len: int | None = None
 
 def ensure_prepared(
     train_data: str | Sequence[str],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     seq_len: int,
     cache_dir: Path | None = None,
     num_proc: int | None = None,
@@ -220,7 +224,7 @@ def _private_folder(folder: Path) -> Path:
     return own
 
 
-def open_training_blocks(train_data: str | Sequence[str], tokenizer, seq_len: int, **where) -> tuple[PreparedBlocks, str]:
+def open_training_blocks(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, **where) -> tuple[PreparedBlocks, str]:
     """(blocks, fingerprint) of --train-data: a prepared folder, or a corpus prepared into the cache.
 
     The fingerprint names the prepared content (tokenizer, seq_len and every shard's bytes): record it

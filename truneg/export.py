@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, ElectraForPreTraining
@@ -19,11 +20,14 @@ from truneg import checkpoint
 from truneg.checkpoint import HF_CONFIG_DIR
 from truneg.errors import UserError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 PARTS = {"mlm": BertForMaskedLM, "generator": ElectraForMaskedLM, "discriminator": ElectraForPreTraining}
 TOKENIZER_DIR = "tokenizer"
 
 
-def save_hf_configs(model, checkpoint_dir: Path, tokenizer) -> None:
+def save_hf_configs(model: nn.Module, checkpoint_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     """Write the HF config of each part and the run's tokenizer, so export can rebuild the classes without
     the training flags and ship the vocab the model was trained on."""
     for part in PARTS:
@@ -33,7 +37,7 @@ def save_hf_configs(model, checkpoint_dir: Path, tokenizer) -> None:
     save_tokenizer(tokenizer, Path(tokenizer.name_or_path), folder)
 
 
-def save_tokenizer(tokenizer, source: Path, folder: Path) -> None:
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, source: Path, folder: Path) -> None:
     """The tokenizer, and its source folder's vocab.txt: transformers 5 writes only tokenizer.json, and older
     readers and the synonym tables want vocab.txt."""
     tokenizer.save_pretrained(folder)

@@ -21,12 +21,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from truneg.config import MONITORS
 from truneg.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ def resolve_model_dir(model: str | Path) -> Path:
     return model
 
 
-def layerwise_param_groups(model, lr: float, decay: float, weight_decay: float) -> list[dict]:
+def layerwise_param_groups(model: torch.nn.Module, lr: float, decay: float, weight_decay: float) -> list[dict]:
     """ELECTRA's layer-wise learning-rate decay (its `_get_layer_lrs`): lr x decay^(layers + 2 - depth), where
     the embeddings and `embeddings_project` are depth 0, layer i is depth i + 1 and the task head (and BERT's
     pooler) depth layers + 2. The top layer thus gets lr x decay^2, the head lr."""
@@ -211,9 +216,11 @@ def _trainer_classes():
     return LayerwiseDecayTrainer, ConsoleProgress
 
 
-def build_trainer(model, tokenizer, train_dataset, eval_dataset, compute_metrics: Callable, output_dir: Path, *,
+def build_trainer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_dataset: Dataset,
+                  eval_dataset: Dataset, compute_metrics: Callable, output_dir: Path, *,
                   epochs: int, lr: float, batch_size: int, seed: int, warmup_ratio: float = 0.1,
-                  weight_decay: float = 0.01, layerwise_decay: float = 0.8, deepspeed_config: str | None = None):
+                  weight_decay: float = 0.01, layerwise_decay: float = 0.8,
+                  deepspeed_config: str | None = None) -> Trainer:
     """A Trainer with this module's recipe: AdamW (eps 1e-6) over layer-wise groups, linear warmup then decay,
     gradient clipping 1, the dev set(s) scored after each epoch, nothing saved or reported on the way."""
     from transformers import TrainingArguments
@@ -243,7 +250,7 @@ def build_trainer(model, tokenizer, train_dataset, eval_dataset, compute_metrics
     return trainer
 
 
-def train_and_score(trainer, epochs: int) -> dict[str, float]:
+def train_and_score(trainer: Trainer, epochs: int) -> dict[str, float]:
     """Train (the dev set(s) are scored after each epoch) and return the last scores, `eval_`-prefixed as
     Trainer logs them; with 0 epochs, the untrained model's."""
     if epochs > 0:

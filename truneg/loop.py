@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,12 @@ from truneg.errors import UserError
 from truneg.masking import MaskedBatches
 from truneg.metrics import MetricsLogger
 from truneg.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
+    from truneg.data import PreparedBlocks
 
 # Fault injection for tests: a comma-separated list of optimizer steps whose loss becomes NaN on rank 0.
 INJECT_NONFINITE_ENV = "TRUNEG_INJECT_NONFINITE_STEPS"
@@ -38,7 +45,7 @@ class TrainState:
     world_size: int
     nonfinite_in_a_row: int = 0
 
-    def save(self, cfg: RunConfig, engine, step: int) -> None:
+    def save(self, cfg: RunConfig, engine: DeepSpeedEngine, step: int) -> None:
         """A collective. The data position goes with DeepSpeed's client state, the RNG states and the metric
         accumulator per rank; then the oldest checkpoints beyond --keep-checkpoints go."""
         client_state = {"step": step, "sampler": self.batches.position, "world_size": self.world_size}
@@ -49,7 +56,7 @@ class TrainState:
                          f"remove old checkpoints in {cfg.checkpoint_dir}")
 
 
-def start_state(cfg: RunConfig, engine, blocks, tokenizer, resume: checkpoint.ResumePoint | None, tag: str | None) -> TrainState:
+def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks, tokenizer: PreTrainedTokenizerBase, resume: checkpoint.ResumePoint | None, tag: str | None) -> TrainState:
     """The state at the first step: fresh, or restored from `tag` (weights, optimizer, scheduler, step,
     data position, RNG states and metric sums)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -90,7 +97,7 @@ class StopSignal:
         self.received = signum
 
 
-def innermost_optimizer(engine) -> torch.optim.Optimizer:
+def innermost_optimizer(engine: DeepSpeedEngine) -> torch.optim.Optimizer:
     """The torch optimizer inside DeepSpeed's ZeRO / bf16 / fp16 wrappers, each of which holds the next."""
     inner = engine.optimizer
     while hasattr(inner, "optimizer"):
@@ -107,7 +114,7 @@ class SkipGuard:
     it, a flagged step leaves the weights and the optimizer's moments untouched; the step counter advances,
     and at fp32 ZeRO-0 the LR schedule too (DeepSpeed sees no overflow there)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: DeepSpeedEngine):
         inner = innermost_optimizer(engine)
         self.skip = False
         real_step = inner.step
@@ -122,7 +129,7 @@ def _injected_nonfinite_steps() -> set[int]:
     return {int(s) for s in os.environ.get(INJECT_NONFINITE_ENV, "").split(",") if s.strip()}
 
 
-def train_step(engine, state: TrainState, stop: StopSignal, guard: SkipGuard, inject: set[int]) -> tuple[bool, bool]:
+def train_step(engine: DeepSpeedEngine, state: TrainState, stop: StopSignal, guard: SkipGuard, inject: set[int]) -> tuple[bool, bool]:
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns (stop requested on some
     rank, step skipped for a non-finite loss on some rank)."""
     device = engine.device
@@ -167,7 +174,7 @@ def compile_summary() -> str:
     return f"compile: {graphs} graph(s), {breaks} graph break(s)"
 
 
-def train(cfg: RunConfig, engine, state: TrainState) -> None:
+def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
     counts_nonfinite = not engine.fp16_enabled()  # in fp16 the loss scaler owns overflow
     started, start_step = time.perf_counter(), engine.global_steps

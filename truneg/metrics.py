@@ -10,11 +10,15 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from truneg.run_config import METRICS
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 
 def _step_of(line: str) -> float:
@@ -26,7 +30,7 @@ def _step_of(line: str) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, engine, output_dir: Path, seq_len: int, rank: int):
+    def __init__(self, engine: DeepSpeedEngine, output_dir: Path, seq_len: int, rank: int):
         self.engine, self.seq_len, self.rank = engine, seq_len, rank
         self.jsonl = output_dir / METRICS
         # The interval's sums: one float64 tensor on the device, named by `keys` (the first micro-step's).

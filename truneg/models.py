@@ -6,6 +6,7 @@ The MLM / generator head runs only at the masked positions.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +148,8 @@ class _Pretrainer(nn.Module):
 
         deepspeed.zero.register_external_parameter(self, self.word_embeddings.weight)
 
-    def add_soft_regularization(self, loss, stats: dict, gold, pred, valid, sentence_pair) -> torch.Tensor:
+    def add_soft_regularization(self, loss: torch.Tensor, stats: dict, gold: torch.Tensor, pred: torch.Tensor,
+                                valid: torch.Tensor, sentence_pair: Callable[[], tuple]) -> torch.Tensor:
         """loss + sr_weight * SR. `sentence_pair()` gives (H_p, H_s, attention mask), encoded only for SR_Sent."""
         if self.objective.sr == "none":
             return loss
@@ -182,7 +184,8 @@ class BertPretrainer(_Pretrainer):
     def masked_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return bert_masked_logits(self.mlm, hidden, positions)
 
-    def forward(self, input_ids, original_ids, masked_positions, masked_valid, attention_mask=None):
+    def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
+                masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         gold = original_ids.gather(1, masked_positions)
         hidden = self.encode(input_ids, attention_mask)
         logits = self.masked_logits(hidden, masked_positions)
@@ -228,7 +231,8 @@ class ElectraPretrainer(_Pretrainer):
     def masked_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return generator_masked_logits(self.generator, hidden, positions)
 
-    def forward(self, input_ids, original_ids, masked_positions, masked_valid, attention_mask=None):
+    def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
+                masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         gold = original_ids.gather(1, masked_positions)
         gen_hidden = self.generator.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         gen_logits = self.masked_logits(gen_hidden, masked_positions)

@@ -26,17 +26,21 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from truneg import corpus
 from truneg.errors import UserError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 FORMAT = "truneg-prepared/1"
 INDEX, SETTINGS, SHARDS = "index.json", "prepare.json", "shards"
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     state = json.dumps([type(tokenizer).__name__, getattr(tokenizer, "do_lower_case", None), vocab])
     return hashlib.sha256(state.encode()).hexdigest()
@@ -64,7 +68,7 @@ def _read_json(path: Path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def plan(train_data: str | Sequence[str], tokenizer, seq_len: int, hf_cache_dir: Path | None = None,
+def plan(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, hf_cache_dir: Path | None = None,
          unit_bytes: int | None = None) -> tuple[dict, list[dict], list]:
     """(settings, units, hf sources). Cheap: file sizes, one seek per unit, an hf: data file's footer."""
     if seq_len < 3:
@@ -223,7 +227,7 @@ def _part_name(part: tuple[int, int]) -> str:
     return f"part-{part[0]}-of-{part[1]}.json"
 
 
-def prepare(train_data: str | Sequence[str], tokenizer, seq_len: int, out: str | Path, num_proc: int | None = None,
+def prepare(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, out: str | Path, num_proc: int | None = None,
             part: tuple[int, int] = (0, 1), hf_cache_dir: Path | None = None, unit_bytes: int | None = None,
             progress: bool = True) -> Path:
     """Prepare a corpus (or part i of n of it) into `out`; resumes a killed run. Returns `out`."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from truneg.build import HC_SOURCES
 from truneg.config import MONITORS
 from truneg.corpus import is_hf
 from truneg.distributed import on_rank_zero
@@ -46,7 +47,7 @@ LATER_FIELDS = ("max_predictions", "sr_sent_target", "architecture", "synonym_ta
 
 # Fields that may hold a path, relative or not, as the command line gave it: the launch scripts make them
 # absolute, a hand-typed command may not; compared resolved.
-PATH_FIELDS = {"init_from": (), "hc": ("none", "wordnet", "embedding")}
+PATH_FIELDS = {"init_from": (), "hc": HC_SOURCES}
 
 
 def _resolved(record: dict) -> dict:

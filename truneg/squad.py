@@ -13,11 +13,15 @@ import json
 import re
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from truneg.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # --- the official SQuAD v1.1 evaluation -------------------------------------------------------------
 
@@ -70,7 +74,7 @@ def read_squad(path: str | Path) -> list[dict]:
         raise UserError(f"{path} is not SQuAD v1.1 JSON ({type(err).__name__}: {err})") from None
 
 
-def features(tokenizer, examples: list[dict], max_len: int, stride: int, train: bool) -> dict:
+def features(tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_len: int, stride: int, train: bool) -> dict:
     enc = tokenizer([e["question"].lstrip() for e in examples], [e["context"] for e in examples],
                     truncation="only_second", max_length=max_len, stride=stride, return_overflowing_tokens=True,
                     return_offsets_mapping=True, padding="max_length")
@@ -112,7 +116,7 @@ def features(tokenizer, examples: list[dict], max_len: int, stride: int, train: 
     return out
 
 
-def best_answers(examples, feats, start_logits, end_logits, n_best: int = 20, max_answer_tokens: int = 30) -> dict:
+def best_answers(examples: list[dict], feats: dict, start_logits: np.ndarray, end_logits: np.ndarray, n_best: int = 20, max_answer_tokens: int = 30) -> dict:
     best: dict[str, tuple[float, str]] = {}
     for i, example_index in enumerate(feats["example_index"]):
         example, offsets = examples[example_index], feats["offsets"][i]
@@ -126,7 +130,7 @@ def best_answers(examples, feats, start_logits, end_logits, n_best: int = 20, ma
     return {qid: text for qid, (_, text) in best.items()}
 
 
-def predict_answers(model, tokenizer, examples: list[dict], max_seq_len: int, doc_stride: int) -> dict[str, str]:
+def predict_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_seq_len: int, doc_stride: int) -> dict[str, str]:
     model.eval()
     feats = features(tokenizer, examples, max_seq_len, doc_stride, train=False)
     inputs = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor)}
@@ -167,7 +171,8 @@ class _SquadScorer:
         return evaluate_predictions(self.examples, self.predictions)
 
 
-def finetune_squad(model_dir, train_file, dev_file, output_dir, epochs: int = 2, lr: float = 1e-4, batch_size: int = 32,
+def finetune_squad(model_dir: str | Path, train_file: str | Path, dev_file: str | Path, output_dir: str | Path,
+                   epochs: int = 2, lr: float = 1e-4, batch_size: int = 32,
                    max_seq_len: int = 384, doc_stride: int = 128, max_train_samples: int | None = None,
                    max_eval_samples: int | None = None, seed: int = 42, layerwise_decay: float = 0.8,
                    deepspeed_config: str | None = None) -> dict:
