@@ -141,10 +141,21 @@ def comparable(records: list[dict]) -> list[dict]:
 
 
 
+def positions_from_labels(labels, max_predictions: int | None = None) -> tuple:
+    """(masked_positions, masked_valid) of an MLM `labels` tensor (-100 where not masked): for tests that
+    write HF-style labels. Runs on the host (it sorts a boolean mask)."""
+    import torch
+
+    selected = labels != -100
+    width = max_predictions or max(1, int(selected.sum(1).max()))
+    key = torch.where(selected, torch.arange(labels.shape[1]), torch.full_like(labels, labels.shape[1]))
+    positions = key.sort(dim=1).values[:, :width]
+    valid = positions < labels.shape[1]
+    return torch.where(valid, positions, torch.zeros_like(positions)), valid
+
+
 def model_inputs(inputs, labels, original, max_predictions: int | None = None) -> dict:
     """The pre-trainers' keyword inputs for an HF-style (inputs, labels, original) batch."""
-    from truneg.masking import positions_from_labels
-
     positions, valid = positions_from_labels(labels, max_predictions)
     return {"input_ids": inputs, "original_ids": original, "masked_positions": positions, "masked_valid": valid}
 

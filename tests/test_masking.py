@@ -8,9 +8,10 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import positions_from_labels
 
 from truneg.data import ResumableSampler, load_tokenizer
-from truneg.masking import MaskedBatches, default_max_predictions, mask_tokens, positions_from_labels
+from truneg.masking import MaskedBatches, default_max_predictions, mask_tokens
 
 
 @pytest.fixture(scope="module")

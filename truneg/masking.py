@@ -81,17 +81,6 @@ def mask_tokens(
     }
 
 
-def positions_from_labels(labels: torch.Tensor, max_predictions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(masked_positions, masked_valid) of an MLM `labels` tensor (-100 where not masked): for callers that
-    hold HF-style labels. Runs on the host (it sorts a boolean mask); not for the training step."""
-    selected = labels != -100
-    width = max_predictions or max(1, int(selected.sum(1).max()))
-    key = torch.where(selected, torch.arange(labels.shape[1]), torch.full_like(labels, labels.shape[1]))
-    positions = key.sort(dim=1).values[:, :width]
-    valid = positions < labels.shape[1]
-    return torch.where(valid, positions, torch.zeros_like(positions)), valid
-
-
 class _MicroBatchPlan(torch.utils.data.Sampler):
     """The sampler's micro-batches in order, each with the sampler position just after it."""
 
