@@ -7,10 +7,12 @@
    the same tokenizer and number of processes, fresh cache folders for both.
 2. rss_growth: truneg prepares the corpus (1x) and the corpus concatenated eight times into one file (8x);
    a thread samples RssAnon (anonymous resident memory) of this process and of every worker every 20 ms.
-   The ratio is the largest process's peak at 8x over that at 1x.
+   What preparing adds is the growth of this process's RssAnon over its value before (its imports are
+   not), and each worker's whole peak (it exists for the preparation). The ratio is the largest growth at
+   8x over that at 1x.
 3. tokenizer_bound: our cold preparation time over the time of the same fast tokenizer's batched encode
-   (`encode_batch_fast`, ids read out) of the same lines, split into equal line-aligned byte ranges across
-   the same number of spawned processes, with no packing or writing.
+   (`encode_batch_fast`, ids read out) of the same lines, in the same units as the preparation's, largest
+   first, across the same number of spawned processes, with no packing or writing.
 Last line: RESULT speedup=... rss_growth=... tokenizer_bound=...
 """
 from __future__ import annotations
@@ -59,6 +61,7 @@ class PeakAnon:
 
     def __init__(self):
         self.peaks: dict[int, int] = {}
+        self.main_before = self._anon(os.getpid())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -90,8 +93,10 @@ class PeakAnon:
         self._thread.join()
 
     def main_and_workers(self) -> tuple[int, int]:
+        """(this process's growth over its RssAnon before, the largest worker's peak)."""
         me = os.getpid()
-        return self.peaks.get(me, 0), max([v for k, v in self.peaks.items() if k != me] or [0])
+        return (max(self.peaks.get(me, 0) - self.main_before, 0),
+                max([v for k, v in self.peaks.items() if k != me] or [0]))
 
 
 def _encode_only(segments: list) -> int:
@@ -104,22 +109,25 @@ def _encode_only(segments: list) -> int:
 
 def tokenizer_only(files: list[Path], tokenizer, num_proc: int) -> tuple[float, int]:
     start = time.perf_counter()
-    total = sum(f.stat().st_size for f in files)
-    shares, _ = corpus.plan_text_units(files, -(-total // num_proc))
+    units, _ = corpus.plan_text_units(files, None)  # the units `prepare` plans, handed out largest first
+    units.sort(key=lambda u: -u["bytes"])
     with ProcessPoolExecutor(num_proc, multiprocessing.get_context("spawn"), prepare._init_worker,
                              (tokenizer.backend_tokenizer.to_str(), [], True)) as pool:
-        tokens = sum(pool.map(_encode_only, [u["segments"] for u in shares]))
+        tokens = sum(pool.map(_encode_only, [u["segments"] for u in units]))
     return time.perf_counter() - start, tokens
 
 
-def timed_prepare(data, tokenizer, seq_len, out, num_proc) -> tuple[float, dict, tuple[int, int]]:
+def timed_prepare(data, tokenizer, seq_len, out, num_proc) -> tuple[float, float, dict, tuple[int, int]]:
+    """(wall seconds, CPU seconds of this process and its workers, the index, main_and_workers' memory)."""
     import json
 
     with PeakAnon() as peak:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), os.times()
         prepare.prepare(data, tokenizer, seq_len, out, num_proc, progress=False)
-        seconds = time.perf_counter() - start
-    return seconds, json.loads((out / prepare.INDEX).read_text()), peak.main_and_workers()
+        seconds, cpu_end = time.perf_counter() - start, os.times()
+    # the workers' CPU time reaches children_* once the pool has joined them (prepare returns after that)
+    cpu = sum(cpu_end[i] - cpu_start[i] for i in range(4))  # user, system, children's user, children's system
+    return seconds, cpu, json.loads((out / prepare.INDEX).read_text()), peak.main_and_workers()
 
 
 def main() -> None:
@@ -143,7 +151,7 @@ def main() -> None:
         hf_blocks = run_mlm_recipe(files, tokenizer, args.seq_len, args.num_proc, tmp / "hf")
         hf_s = time.perf_counter() - start
         enc_s, enc_tokens = tokenizer_only(files, tokenizer, args.num_proc)
-        one_s, one, one_rss = timed_prepare(args.data, tokenizer, args.seq_len, tmp / "one", args.num_proc)
+        one_s, one_cpu, one, one_rss = timed_prepare(args.data, tokenizer, args.seq_len, tmp / "one", args.num_proc)
         start = time.perf_counter()
         prepare.prepare(args.data, tokenizer, args.seq_len, tmp / "one", args.num_proc, progress=False)
         warm_s = time.perf_counter() - start
@@ -153,10 +161,10 @@ def main() -> None:
             for _ in range(8):
                 for f in files:
                     fh.write(f.read_bytes())
-        eight_s, eight, eight_rss = timed_prepare(str(big), tokenizer, args.seq_len, tmp / "eight", args.num_proc)
+        eight_s, _, eight, eight_rss = timed_prepare(str(big), tokenizer, args.seq_len, tmp / "eight", args.num_proc)
         disk = {k: sum(p.stat().st_size for p in (tmp / k / "shards").glob("*.bin")) for k in ("one", "eight")}
     print(f"{len(files)} files, {mb:.1f} MB, seq {args.seq_len}, {args.num_proc} processes, {one['tokens']:,} tokens")
-    print(f"{'pipeline':<44} {'seconds':>8} {'blocks':>9} {'M tok/s':>8} {'peak anon MB main/worker':>25}")
+    print(f"{'pipeline':<44} {'seconds':>8} {'blocks':>9} {'M tok/s':>8} {'anon MB main growth/worker':>27}")
     print(f"{'HF run_mlm (tokenize + group_texts), 1x':<44} {hf_s:>8.1f} {hf_blocks:>9}")
     print(f"{'encode_batch_fast only, 1x':<44} {enc_s:>8.1f} {'':>9} {enc_tokens / enc_s / 1e6:>8.2f}")
     for name, s, idx, rss in (("truneg prepare, cold, 1x", one_s, one, one_rss),
@@ -164,6 +172,8 @@ def main() -> None:
         print(f"{name:<44} {s:>8.1f} {idx['blocks']:>9} {idx['tokens'] / s / 1e6:>8.2f} "
               f"{rss[0] / 1e6:>12.0f} / {rss[1] / 1e6:<10.0f}")
     print(f"{'truneg prepare, warm (already prepared), 1x':<44} {warm_s:>8.2f}")
+    print(f"CPU: {one['tokens'] / one_cpu / 1e6:.2f} M tokens per CPU-second at 1x (this process and its workers, "
+          "the memory sampler included)")
     print(f"per core: {eight['tokens'] / eight_s / args.num_proc / 1e6:.2f} M tokens/s at 8x; "
           f"disk {disk['one'] / one['tokens']:.2f} bytes/token ({disk['eight'] / 1e6:.0f} MB at 8x)")
     rss_growth = max(eight_rss) / max(one_rss)

@@ -1,7 +1,7 @@
 """truneg's MLM training step (masked-only head) against HF BertForMaskedLM with a plain torch step
 (full-vocab head over every position), same config, weights, batch, threads and optimizer.
 
-    python bench/mlm_throughput.py [--sizes tiny,small,base] [--batch 8] [--steps 8]
+    python bench/mlm_throughput.py [--sizes tiny,small,base] [--batch 8] [--steps 12]
 
 Both steps: forward, loss, backward, AdamW step, zero_grad (in place, for both). The two run alternately, so drift of the
 machine hits both alike. Last line: RESULT speedup=<bert-base ratio> (HF step time / truneg step time).
@@ -51,7 +51,8 @@ def bench_size(name: str, batch_size: int, steps: int) -> float:
     our_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     hf_times, our_times = [], []
     for step in range(steps + 1):  # step 0 warms up
-        # HF as run_mlm calls it: the tokenizer's attention mask (all ones here), labels at every position.
+        # HF as run_mlm calls it: the tokenizer's attention mask (all ones here), the full-vocab head at every
+        # position, labels -100 but at the masked ones (as its collator writes them).
         # truneg passes no mask for packed blocks (none has padding). Both use SDPA attention.
         pair = [("hf", lambda: hf(input_ids=batch["input_ids"], attention_mask=ones, labels=labels).loss, hf_opt),
                 ("ours", lambda: ours(**batch)[0], our_opt)]

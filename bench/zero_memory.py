@@ -3,9 +3,11 @@
     python bench/zero_memory.py [--preset bert-base] [--steps 4]
 
 For each stage it launches `deepspeed --num_gpus 2` on this file in worker mode (the real launcher and
-engine, AdamW, fp32, micro batch 2, seq 128). Each rank reports its parameter bytes (its ZeRO-3
-partition, or the whole model), its optimizer bytes (Adam moments plus ZeRO's fp32 master partition),
-its peak RSS and the median step time. Last line:
+engine, AdamW, fp32, micro batch 2, seq 128). Each rank reports, in MiB, its parameter bytes (its ZeRO-3
+partition, or the whole model), its optimizer bytes (Adam moments plus ZeRO-1/2's fp32 master partition;
+at ZeRO-3 in fp32 the master partition is the parameter partition itself, counted once, as a parameter),
+its peak RSS and the median step time. Gradients are not counted, so ZeRO-2's partitioning of them does
+not show. Last line:
 RESULT zero3_over_zero0_model_states=<ratio> (per-rank parameter + optimizer bytes, ZeRO-3 / ZeRO-0)
 """
 from __future__ import annotations
@@ -93,7 +95,7 @@ def main() -> None:
                            env=env, check=True, capture_output=True, cwd=REPO)
         records = [json.loads(p.read_text()) for p in sorted(Path(out).glob("stage*_rank*.json"))]
     print(f"{args.preset}, 2 CPU ranks, fp32, AdamW, micro batch 2, seq 128; per rank (rank 0 / rank 1 max)")
-    print(f"{'stage':<6} {'params MB':>10} {'optim MB':>10} {'states MB':>10} {'peak RSS MB':>12} {'step ms':>9}")
+    print(f"{'stage':<6} {'params MiB':>10} {'optim MiB':>10} {'states MiB':>10} {'peak RSS MiB':>12} {'step ms':>9}")
     states = {}
     for stage in range(4):
         rows = [r for r in records if r["stage"] == stage]

@@ -328,9 +328,12 @@ def _bf16_optimizer_partitions(tag_dir: Path) -> list[dict]:
     zero_to_fp32 reads (a bf16 run without fp32 accumulation has ZeRO's own optimizer)."""
     paths = sorted(tag_dir.glob(f"{BF16_PARTITION}*_optim_states.pt"),
                    key=lambda f: int(f.name.removeprefix(BF16_PARTITION).split("_")[0]))
-    partitions = [torch.load(path, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
-                  for path in paths]
-    return [] if not partitions or "zero_stage" in partitions[0] else partitions
+    partitions: list[dict] = []
+    for path in paths:
+        partitions.append(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"])
+        if "zero_stage" in partitions[0]:
+            return []
+    return partitions
 
 
 def _bf16_optimizer_weights(states: dict, partitions: list[dict]) -> dict:

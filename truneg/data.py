@@ -128,7 +128,8 @@ def is_prepared(path: str | Path) -> bool:
     return (Path(path) / prep.INDEX).is_file()
 
 
-def open_prepared(folder: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, seq_len: int | None = None) -> PreparedBlocks:
+def open_prepared(folder: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
+                  seq_len: int | None = None) -> PreparedBlocks:
     """A prepared folder's blocks, checked against the tokenizer and --seq-len the run uses."""
     folder = Path(folder)
     if not is_prepared(folder):
@@ -224,7 +225,8 @@ def _private_folder(folder: Path) -> Path:
     return own
 
 
-def open_training_blocks(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, **where) -> tuple[PreparedBlocks, str]:
+def open_training_blocks(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                         **where) -> tuple[PreparedBlocks, str]:
     """(blocks, fingerprint) of --train-data: a prepared folder, or a corpus prepared into the cache.
 
     The fingerprint names the prepared content (tokenizer, seq_len and every shard's bytes): record it

@@ -56,7 +56,8 @@ class TrainState:
                          f"remove old checkpoints in {cfg.checkpoint_dir}")
 
 
-def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks, tokenizer: PreTrainedTokenizerBase, resume: checkpoint.ResumePoint | None, tag: str | None) -> TrainState:
+def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks, tokenizer: PreTrainedTokenizerBase,
+                resume: checkpoint.ResumePoint | None, tag: str | None) -> TrainState:
     """The state at the first step: fresh, or restored from `tag` (weights, optimizer, scheduler, step,
     data position, RNG states and metric sums)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -129,7 +130,8 @@ def _injected_nonfinite_steps() -> set[int]:
     return {int(s) for s in os.environ.get(INJECT_NONFINITE_ENV, "").split(",") if s.strip()}
 
 
-def train_step(engine: DeepSpeedEngine, state: TrainState, stop: StopSignal, guard: SkipGuard, inject: set[int]) -> tuple[bool, bool]:
+def train_step(engine: DeepSpeedEngine, state: TrainState, stop: StopSignal, guard: SkipGuard,
+               inject: set[int]) -> tuple[bool, bool]:
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns (stop requested on some
     rank, step skipped for a non-finite loss on some rank)."""
     device = engine.device

@@ -68,8 +68,8 @@ def _read_json(path: Path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def plan(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, hf_cache_dir: Path | None = None,
-         unit_bytes: int | None = None) -> tuple[dict, list[dict], list]:
+def plan(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int,
+         hf_cache_dir: Path | None = None, unit_bytes: int | None = None) -> tuple[dict, list[dict], list]:
     """(settings, units, hf sources). Cheap: file sizes, one seek per unit, an hf: data file's footer."""
     if seq_len < 3:
         raise UserError(f"--seq-len {seq_len} leaves no room between [CLS] and [SEP]; use 3 or more")
@@ -169,7 +169,8 @@ def _prepare_unit(job: dict) -> dict:
             replaced += bad
             ids = encode(backend, texts, settings["sep_id"], source["kind"] == "hf")
             tokens += len(ids)
-            out, carry = pack_blocks(np.concatenate([carry, ids]), seq_len, settings["cls_id"], settings["sep_id"], dtype)
+            out, carry = pack_blocks(np.concatenate([carry, ids]), seq_len, settings["cls_id"], settings["sep_id"],
+                                     dtype)
             data = out.tobytes()
             fh.write(data)
             shard_digest.update(data)
@@ -227,9 +228,9 @@ def _part_name(part: tuple[int, int]) -> str:
     return f"part-{part[0]}-of-{part[1]}.json"
 
 
-def prepare(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, out: str | Path, num_proc: int | None = None,
-            part: tuple[int, int] = (0, 1), hf_cache_dir: Path | None = None, unit_bytes: int | None = None,
-            progress: bool = True) -> Path:
+def prepare(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, out: str | Path,
+            num_proc: int | None = None, part: tuple[int, int] = (0, 1), hf_cache_dir: Path | None = None,
+            unit_bytes: int | None = None, progress: bool = True) -> Path:
     """Prepare a corpus (or part i of n of it) into `out`; resumes a killed run. Returns `out`."""
     out = Path(out)
     settings, units, datasets_ = plan(train_data, tokenizer, seq_len, hf_cache_dir, unit_bytes)

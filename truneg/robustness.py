@@ -112,7 +112,8 @@ def swap_syn_glue(rows: list[tuple], seed: int) -> tuple[list[tuple], list[int]]
     return kept, index
 
 
-def classify(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[tuple], regression: bool, max_len: int = 128, batch_size: int = 64) -> np.ndarray:
+def classify(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[tuple], regression: bool,
+             max_len: int = 128, batch_size: int = 64) -> np.ndarray:
     """A classifier's predictions (a class, or a score for STS-B) for (text_a, text_b, label) rows; each batch
     is padded to its longest example."""
     import torch
@@ -130,7 +131,8 @@ def classify(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: l
     return torch.cat(outputs).numpy()
 
 
-def evaluate_glue(task_name: str, model_dir: str | Path, data_dir: str | Path, output_dir: str | Path, seed: int = 42, max_eval_samples: int | None = None) -> dict:
+def evaluate_glue(task_name: str, model_dir: str | Path, data_dir: str | Path, output_dir: str | Path, seed: int = 42,
+                  max_eval_samples: int | None = None) -> dict:
     """Score a fine-tuned classifier on the original dev set and its SwapSynWordNet transform."""
     import json
     from pathlib import Path
@@ -161,8 +163,8 @@ def evaluate_glue(task_name: str, model_dir: str | Path, data_dir: str | Path, o
     return results
 
 
-def evaluate_squad(model_dir: str | Path, dev_file: str | Path, output_dir: str | Path, seed: int = 42, max_eval_samples: int | None = None,
-                   max_seq_len: int = 384, doc_stride: int = 128) -> dict:
+def evaluate_squad(model_dir: str | Path, dev_file: str | Path, output_dir: str | Path, seed: int = 42,
+                   max_eval_samples: int | None = None, max_seq_len: int = 384, doc_stride: int = 128) -> dict:
     """EM/F1 of a fine-tuned QA model on SQuAD dev, and with an AddSentDiverse-style distractor appended."""
     import json
     from pathlib import Path

@@ -116,7 +116,8 @@ def features(tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_len: 
     return out
 
 
-def best_answers(examples: list[dict], feats: dict, start_logits: np.ndarray, end_logits: np.ndarray, n_best: int = 20, max_answer_tokens: int = 30) -> dict:
+def best_answers(examples: list[dict], feats: dict, start_logits: np.ndarray, end_logits: np.ndarray, n_best: int = 20,
+                 max_answer_tokens: int = 30) -> dict:
     best: dict[str, tuple[float, str]] = {}
     for i, example_index in enumerate(feats["example_index"]):
         example, offsets = examples[example_index], feats["offsets"][i]
@@ -130,7 +131,8 @@ def best_answers(examples: list[dict], feats: dict, start_logits: np.ndarray, en
     return {qid: text for qid, (_, text) in best.items()}
 
 
-def predict_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_seq_len: int, doc_stride: int) -> dict[str, str]:
+def predict_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_seq_len: int,
+                    doc_stride: int) -> dict[str, str]:
     model.eval()
     feats = features(tokenizer, examples, max_seq_len, doc_stride, train=False)
     inputs = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor)}
