@@ -177,13 +177,14 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def start_memory_peak() -> int:
+def start_memory_peak(cuda: bool = True) -> int:
     """Frees what earlier runs in this process left where it can, and starts a new GPU peak: returns the bytes that
-    stay held (0 without CUDA), so that a peak can say how much of it was this run's."""
+    stay held (0 without CUDA, or for a CPU dry run: which must not start a CUDA context), so that a peak can say
+    how much of it was this run's."""
     import torch
 
     release_memory()
-    if not torch.cuda.is_available():
+    if not (cuda and torch.cuda.is_available()):
         return 0
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()

@@ -240,7 +240,7 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
                  "--overwrite"]
         argv += ["--hc", "wordnet", "--sr", "word"] if hc_sr else []
         argv += ["--compile"] if compiled else []
-        held = start_memory_peak()  # what earlier variants left is freed where it can be, and said where it cannot
+        held = start_memory_peak(cuda)  # what earlier variants left is freed where it can be, and said where it cannot
         run = run_pretrain(argv, work / "stage4" / variant.replace(" ", "_").replace("+", ""))
         timed = [r["samples_per_sec"] for r in run.records[1:]]  # the first interval holds warm-up and compile
         if not run.ok or not timed:

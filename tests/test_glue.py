@@ -281,3 +281,15 @@ def test_layerwise_decay_follows_electras_depths_embeddings_project_included():
     named = dict(model.named_parameters())
     assert {name: lr_of[id(named[name])] for name in expected} == expected
     assert len(lr_of) == len(named)
+
+
+def test_finetune_flags_take_0_epochs_and_refuse_a_batch_of_0(capsys):
+    """--epochs 0 scores the untrained model (the baseline of a fine-tuning); a batch of 0 is one line, exit 2."""
+    from truneg.cli import build_parser
+
+    parser = build_parser()
+    base = ["finetune", "glue", "--task", "rte", "--model", "m", "--data-dir", "d", "--output-dir", "o"]
+    assert parser.parse_args([*base, "--epochs", "0"]).epochs == 0
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args([*base, "--batch-size", "0"])
+    assert exited.value.code == 2 and "argument --batch-size: 0 is below 1" in capsys.readouterr().err

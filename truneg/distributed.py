@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,14 @@ import torch.distributed as dist
 from truneg.errors import UserError
 
 STALE_BUILD_LOCK_S = 600
+
+
+def _free_port() -> int:
+    """A free port on 127.0.0.1, the MASTER_ADDR a world of one gets (torch's elastic get_free_port binds
+    "localhost", which may be ::1 first, and logs a traceback where IPv6 is off)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # mpirun and srun start every process themselves and set no RANK (DeepSpeed's openmpi, mvapich and slurm
@@ -80,13 +89,12 @@ def init_distributed() -> tuple[int, int]:
     process group is bound to another GPU, as DeepSpeed binds it on torch >= 2.3."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    from torch.distributed.elastic.utils.distributed import get_free_port
 
     adopt_launcher_env()
     if "RANK" not in os.environ:  # no launcher: a world of one, on a port of its own
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(get_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     accelerator = get_accelerator()
     backend = "gloo" if accelerator.device_name() == "cpu" else None
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=_left_to_mpi_discovery())

@@ -56,7 +56,7 @@ def _add_io(parser, model_help: str) -> None:
 
 def _add_recipe(parser, epochs: int | None, epochs_help: str | None, max_seq_len: int) -> None:
     """The fine-tuning recipe's flags (glue and squad)."""
-    parser.add_argument("--epochs", type=int_at_least(1), default=epochs, help=epochs_help)
+    parser.add_argument("--epochs", type=int_at_least(0), default=epochs, help=epochs_help)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--batch-size", type=int_at_least(1), default=32)
     parser.add_argument("--max-seq-len", type=int, default=max_seq_len)

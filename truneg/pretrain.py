@@ -80,11 +80,12 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     """One line per argument out of range (shared with `truneg preflight`, which lists them all)."""
     from truneg.models import MAX_POSITIONS, check_preset
 
-    problems = [f"--{name.replace('_', '-')} must be >= {least}"
-                for names, least in ((("seq_len", "max_steps", "log_steps", "max_nonfinite_steps", "micro_batch_size",
-                                       "gradient_accumulation_steps", "num_proc"), 1),
-                                     (("save_steps", "keep_checkpoints", "data_workers"), 0))
-                for name in names if getattr(args, name) is not None and getattr(args, name) < least]
+    # (--micro-batch-size and --gradient-accumulation-steps are checked with the config's own values, in
+    # config.resolve_batch_sizes; --num-proc 0 means every CPU)
+    floors = {"seq_len": 1, "max_steps": 1, "log_steps": 1, "max_nonfinite_steps": 1, "save_steps": 0,
+              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0}
+    problems = [f"--{name.replace('_', '-')} must be >= {least}" for name, least in floors.items()
+                if getattr(args, name) is not None and getattr(args, name) < least]
     if args.model is not None:
         try:
             check_preset(args.model)
