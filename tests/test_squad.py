@@ -19,6 +19,9 @@ def test_official_normalisation_and_scores():
     assert f1_score("nothing", "Broncos") == 0.0
     examples = [{"id": "a", "answers": ["Broncos", "Denver Broncos"]}, {"id": "b", "answers": ["1999"]}]
     assert evaluate_predictions(examples, {"a": "Denver Broncos", "b": "in 2000"}) == {"exact_match": 50.0, "f1": 50.0}
+    # a question left unanswered scores 0, as in the official script, even where its gold answer normalises to ""
+    unanswered = [{"id": "a", "answers": ["the"]}, {"id": "b", "answers": ["x"]}]
+    assert evaluate_predictions(unanswered, {"b": "x"}) == {"exact_match": 50.0, "f1": 50.0}
 
 
 def test_bad_squad_file_is_a_clear_error(tmp_path):

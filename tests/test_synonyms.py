@@ -185,6 +185,14 @@ def test_lookup_agrees_with_python_sets_on_random_and_real_pairs(shipped):
     assert "keys" not in lookup.state_dict()
 
 
+def test_a_cased_vocabulary_gets_its_capitalised_words_synonyms_in_their_case():
+    """wn.synsets lower-cases its query; WordNet's index holds lower-case lemmas. A cased vocabulary's "Big"
+    has large's synonyms written as it is: "Large", not "large" (a different token)."""
+    table = synonyms.build_from_wordnet(["[PAD]", "Big", "large", "big", "Large", "Primary", "Main", "main", "USA", "US"])
+    assert table.synonyms_of("Big") == ["Large"] and table.synonyms_of("big") == ["large"]
+    assert table.synonyms_of("Primary") == ["Main"] and table.synonyms_of("USA") == ["US"]
+
+
 def test_embedding_source_text_and_binary(tmp_path):
     tokens = ["[PAD]", "[UNK]", "big", "large", "huge", "tiny", "##s", "a"]
     vectors = {"big": [1, 0, 0], "large": [0.95, 0.1, 0], "huge": [0.9, 0.3, 0], "tiny": [-1, 0, 0], "##s": [1, 0, 0], "a": [1, 0, 0]}
@@ -274,3 +282,23 @@ def test_cli_show_and_vocab_refusal(tmp_path):
     proc = cli_in_process("synonyms", "show", str(tmp_path / "unsorted.npz"), "big")
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("truneg: error: synonym table") and "not sorted and unique" in proc.stderr
+
+
+def test_hc_wordnet_on_a_vocabulary_without_whole_words_is_one_line():
+    """A byte-level BPE vocab ("Ġbig") has no token WordNet knows: HC would silently correct nothing."""
+    from types import SimpleNamespace
+
+    from truneg.build import synonym_table
+
+    class BpeTokenizer:
+        tokens = ["<s>", "</s>", "Ġbig", "Ġlarge", "Ġthe"]
+
+        def __len__(self):
+            return len(self.tokens)
+
+        def convert_ids_to_tokens(self, ids):
+            return [self.tokens[i] for i in ids]
+
+    cfg = SimpleNamespace(hc="wordnet", tokenizer="roberta-base")
+    with pytest.raises(UserError, match="--hc wordnet: no word of the vocab of --tokenizer roberta-base has a WordNet"):
+        synonym_table(cfg, BpeTokenizer())

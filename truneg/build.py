@@ -107,7 +107,11 @@ def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Synonym
         shipped = SynonymTable.load(SHIPPED_WORDNET_TABLE) if SHIPPED_WORDNET_TABLE.is_file() else None
         if shipped is not None and shipped.sha256 == vocab_sha256(tokens):
             return shipped
-        return build_from_wordnet(tokens)  # another vocab: about 3 s
+        table = build_from_wordnet(tokens)  # another vocab: about 3 s
+        if table.num_entries == 0:
+            raise UserError(f"--hc wordnet: no word of the vocab of --tokenizer {cfg.tokenizer} has a WordNet synonym in "
+                            "it, so HC would correct nothing; it needs whole words as tokens (WordPiece, as BERT's)")
+        return table
     if cfg.hc == "embedding":
         if not cfg.hc_embeddings:
             raise UserError("--hc embedding needs --hc-embeddings (a word2vec file or an HF model folder)")

@@ -112,6 +112,13 @@ def swap_syn_glue(rows: list[tuple], seed: int) -> tuple[list[tuple], list[int]]
     return kept, index
 
 
+def _device() -> str:
+    """Where a robustness evaluation runs: a GPU where there is one (full dev sets, scored twice)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def classify(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[tuple], regression: bool,
              max_len: int = 128, batch_size: int = 64) -> np.ndarray:
     """A classifier's predictions (a class, or a score for STS-B) for (text_a, text_b, label) rows; each batch
@@ -119,15 +126,16 @@ def classify(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: l
     import torch
 
     model.eval()
+    device = next(model.parameters()).device
     outputs = []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
             batch = rows[start: start + batch_size]
             b = [r[1] for r in batch] if batch[0][1] is not None else None
             enc = tokenizer([r[0] for r in batch], b, truncation=True, max_length=max_len, padding=True,
-                            return_tensors="pt")
+                            return_tensors="pt").to(device)
             logits = model(**enc).logits
-            outputs.append(logits.squeeze(-1).float() if regression else logits.argmax(-1))
+            outputs.append((logits.squeeze(-1).float() if regression else logits.argmax(-1)).cpu())
     return torch.cat(outputs).numpy()
 
 
@@ -148,7 +156,7 @@ def evaluate_glue(task_name: str, model_dir: str | Path, data_dir: str | Path, o
     rows = read_tsv(Path(data_dir) / task.dev_files[0], task)[:max_eval_samples]
     transformed, index = swap_syn_glue(rows, seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(_device())
     regression = task.labels is None
     metric = main_metric(task_name)
     scores = {}
@@ -184,7 +192,7 @@ def evaluate_squad(model_dir: str | Path, dev_file: str | Path, output_dir: str 
         distractor = add_sent_distractor(example["question"], fake, rng)
         attacked.append({**example, "context": example["context"] + " " + distractor})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    model = AutoModelForQuestionAnswering.from_pretrained(model_dir).to(_device())
     scores = {name: evaluate_predictions(data, predict_answers(model, tokenizer, data, max_seq_len, doc_stride))
               for name, data in (("original", examples), ("transformed", attacked))}
     results = {"transform": "AddSentDiverse", **{f"{k}_{m}": v for k, d in scores.items() for m, v in d.items()},

@@ -51,7 +51,9 @@ def evaluate_predictions(examples: list[dict], predictions: dict[str, str]) -> d
     """EM and F1 in percent, each the max over the gold answers, averaged over the questions."""
     em = f1 = 0.0
     for example in examples:
-        prediction = predictions.get(example["id"], "")
+        if example["id"] not in predictions:  # as the official script: a question not answered scores 0
+            continue
+        prediction = predictions[example["id"]]
         golds = example["answers"] or [""]
         em += max(exact_match(prediction, g) for g in golds)
         f1 += max(f1_score(prediction, g) for g in golds)
@@ -134,14 +136,15 @@ def best_answers(examples: list[dict], feats: dict, start_logits: np.ndarray, en
 def predict_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_seq_len: int,
                     doc_stride: int) -> dict[str, str]:
     model.eval()
+    device = next(model.parameters()).device  # wherever the caller put the model (robustness: its GPU)
     feats = features(tokenizer, examples, max_seq_len, doc_stride, train=False)
     inputs = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor)}
     starts, ends = [], []
     with torch.no_grad():
         for start in range(0, len(inputs["input_ids"]), 64):
-            out = model(**{k: v[start: start + 64] for k, v in inputs.items()})
-            starts.append(out.start_logits.numpy())
-            ends.append(out.end_logits.numpy())
+            out = model(**{k: v[start: start + 64].to(device) for k, v in inputs.items()})
+            starts.append(out.start_logits.float().cpu().numpy())
+            ends.append(out.end_logits.float().cpu().numpy())
     return best_answers(examples, feats, np.concatenate(starts), np.concatenate(ends))
 
 

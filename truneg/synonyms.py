@@ -215,6 +215,8 @@ def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: boo
     the table is not symmetric). The paper retrieves synonyms "for each token from model vocabulary" with
     WordNet and counts "tokens ... written in different forms" among reasonable predictions. Without it
     (`truneg synonyms build --exact`) only synsets listing the word itself count, a symmetric relation.
+    As `wn.synsets` does, a word is looked up lower-cased; in a cased vocabulary its synonyms are the tokens
+    written in its case ("Big" -> "Large", "big" -> "large").
 
     nltk's index (`lemma -> pos -> synset offsets`) is loaded eagerly; parsing synsets is lazy and is
     what makes a per-word `wn.synsets()` build slow. Two lemmas share a synset iff they share a
@@ -225,22 +227,22 @@ def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: boo
     from truneg.wordnet_setup import load_wordnet
 
     wn = load_wordnet()
-    lemma_index = wn._lemma_pos_offset_map
-    lowercase = all(tok == tok.lower() for tok in tokens if WHOLE_WORD.fullmatch(tok))
-    token_to_id = {tok: i for i, tok in enumerate(tokens)}
-    eligible = set(eligible_token_ids(tokens).tolist())
+    lemma_index = wn._lemma_pos_offset_map  # its lemmas are lower-case
+    eligible = eligible_token_ids(tokens).tolist()
+    token_to_id = {tokens[i]: i for i in eligible}
 
-    # synset (pos, offset) -> token ids of its single-word lemmas; 's' (satellite) lives in data.adj.
-    members: dict[tuple[str, int], list[int]] = {}
+    # synset (pos, offset) -> its single-word lemmas; 's' (satellite) lives in data.adj.
+    members: dict[tuple[str, int], list[str]] = {}
     for lemma, offsets_by_pos in lemma_index.items():
         if "_" in lemma:
             continue
-        token_id = token_to_id.get(lemma.lower() if lowercase else lemma)
-        if token_id is None or token_id not in eligible:
-            continue
         for pos, offsets in offsets_by_pos.items():
             for offset in offsets:
-                members.setdefault(("a" if pos == "s" else pos, offset), []).append(token_id)
+                members.setdefault(("a" if pos == "s" else pos, offset), []).append(lemma)
+
+    def written_as(word: str, lemma: str) -> str:
+        """The lemma in the word's case (a cased vocab: "Big" -> "Large", "USA" -> "AMERICA")."""
+        return lemma.upper() if word.isupper() and len(word) > 1 else lemma.capitalize() if word[0].isupper() else lemma
 
     def synsets_of(word: str) -> set[tuple[str, int]]:
         found = {("a" if pos == "s" else pos, off) for pos, offs in lemma_index.get(word, {}).items() for off in offs}
@@ -252,9 +254,11 @@ def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: boo
         return found
 
     rows, cols = [], []
-    for token_id in tqdm(sorted(eligible), desc="wordnet", disable=not progress, unit="word"):
-        for synset in synsets_of(tokens[token_id]):
-            synonyms = members.get(synset, ())
+    for token_id in tqdm(eligible, desc="wordnet", disable=not progress, unit="word"):
+        word = tokens[token_id]
+        for synset in synsets_of(word.lower()):  # as `wn.synsets` lower-cases its query
+            synonyms = [token_to_id.get(written_as(word, lemma)) for lemma in members.get(synset, ())]
+            synonyms = [j for j in synonyms if j is not None]
             rows.extend([token_id] * len(synonyms))
             cols.extend(synonyms)
     options = {"morphy": morphy, "wordnet_version": str(wn.get_version())}
