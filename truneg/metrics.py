@@ -136,10 +136,8 @@ class MetricsLogger:
         """On resume from `step`: drop the records the interrupted run wrote after it (rank 0)."""
         if self.rank != 0 or not self.jsonl.is_file():
             return
-        kept = [line for line in self.jsonl.read_text(encoding="utf-8").splitlines() if _step_of(line) <= step]
-        tmp = self.jsonl.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        tmp.replace(self.jsonl)
+        _replace_lines(self.jsonl, [line for line in self.jsonl.read_text(encoding="utf-8").splitlines()
+                                    if _step_of(line) <= step])
 
     def purge_monitors_after(self, samples: int) -> None:
         """Hide, rather than double, the events the interrupted run wrote after the checkpoint: DeepSpeed's
@@ -154,10 +152,7 @@ class MetricsLogger:
                 if not lines or not lines[0].startswith("step,"):
                     path.unlink()  # empty or torn at its start by a kill: written anew, header first
                     continue
-                kept = [row for row in lines[1:] if _csv_step(row) <= samples]
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text("".join(line + "\n" for line in [lines[0], *kept]), encoding="utf-8")
-                tmp.replace(path)
+                _replace_lines(path, [lines[0], *(row for row in lines[1:] if _csv_step(row) <= samples)])
                 csv_monitor.filenames.append(path.stem)  # its header is there
         tb = getattr(self.engine.monitor, "tb_monitor", None)
         if tb is None or tb.summary_writer is None:
@@ -167,6 +162,13 @@ class MetricsLogger:
         log_dir = tb.summary_writer.log_dir
         tb.summary_writer.close()
         tb.summary_writer = SummaryWriter(log_dir=log_dir, purge_step=samples + 1)
+
+
+def _replace_lines(path: Path, lines: list[str]) -> None:
+    """Rewrite `path` with these lines, whole or not at all (a kill leaves the old file or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tmp.replace(path)
 
 
 def _csv_step(row: str) -> float:
