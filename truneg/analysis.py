@@ -174,11 +174,11 @@ def checkpoints_tokenizer(refs: list[CheckpointRef]) -> PreTrainedTokenizerBase:
     exported folder; bert-base-uncased's where none is saved. Checkpoints of different vocabularies are refused:
     their ratios would not be comparable, and one would read the other's token ids."""
     from truneg.data import DEFAULT_TOKENIZER, load_tokenizer
-    from truneg.export import HF_CONFIG_DIR, TOKENIZER_DIR
+    from truneg.export import run_tokenizer_dir
 
     chosen, vocab, first = None, None, None
     for ref in refs:
-        folder = ref.path.parent / HF_CONFIG_DIR / TOKENIZER_DIR if ref.kind == "truneg" else ref.path
+        folder = run_tokenizer_dir(ref.path.parent) if ref.kind == "truneg" else ref.path
         if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file()):
             folder = Path(DEFAULT_TOKENIZER)
         tokenizer = load_tokenizer(folder)

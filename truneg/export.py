@@ -63,15 +63,21 @@ def load_parts(checkpoint_path: str | Path) -> tuple[dict, int]:
     return parts, checkpoint.step_of_tag(tag)
 
 
+def run_tokenizer_dir(checkpoint_dir: Path) -> Path:
+    """The run's own tokenizer, saved beside its configs (runs from before that: bert-base-uncased's)."""
+    from truneg.data import DEFAULT_TOKENIZER
+
+    saved = checkpoint_dir / HF_CONFIG_DIR / TOKENIZER_DIR
+    return saved if saved.is_dir() else Path(DEFAULT_TOKENIZER)
+
+
 def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict[str, Path]:
     """Write each part with save_pretrained (and the tokenizer beside it). Returns {part: folder}."""
-    from truneg.data import DEFAULT_TOKENIZER, load_tokenizer
+    from truneg.data import load_tokenizer
 
     parts, _ = load_parts(checkpoint_path)
-    if tokenizer_dir is None:  # the run's own tokenizer, saved beside its configs (older runs: bert-base-uncased)
-        checkpoint_dir, _ = checkpoint.resolve(checkpoint_path)
-        saved = checkpoint_dir / HF_CONFIG_DIR / TOKENIZER_DIR
-        tokenizer_dir = saved if saved.is_dir() else DEFAULT_TOKENIZER
+    if tokenizer_dir is None:
+        tokenizer_dir = run_tokenizer_dir(checkpoint.resolve(checkpoint_path)[0])
     tokenizer = load_tokenizer(tokenizer_dir)
     out_dir = Path(out_dir)
     written = {}
