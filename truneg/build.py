@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from truneg import checkpoint
 from truneg.errors import UserError
-from truneg.run_config import RunConfig
+from truneg.run_config import HC_SOURCES, RunConfig
 
 if TYPE_CHECKING:
     import torch
@@ -47,9 +47,6 @@ class Start:
     table: SynonymTable | None
     resume: checkpoint.ResumePoint | None
 
-
-# --hc's keywords; any other value is a table file (FILE.npz)
-HC_SOURCES = ("none", "wordnet", "embedding")
 
 # DeepSpeed's fused optimizers, built just in time (and loaded under a lock) by the op of this name.
 JIT_OPTIMIZER_OPS = {"FusedAdam": "fused_adam", "FusedLamb": "fused_lamb"}

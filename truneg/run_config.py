@@ -11,6 +11,8 @@ from pathlib import Path
 CHECKPOINTS = "checkpoints"  # DeepSpeed's tags and `latest`
 METRICS = "metrics.jsonl"  # truneg's record of each logged step
 
+HC_SOURCES = ("none", "wordnet", "embedding")  # --hc's keywords; any other value is a table file (FILE.npz)
+
 
 @dataclass(frozen=True)
 class RunConfig:

@@ -12,12 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from truneg.build import HC_SOURCES
 from truneg.config import MONITORS
 from truneg.corpus import is_hf
 from truneg.distributed import on_rank_zero
 from truneg.errors import UserError
-from truneg.run_config import CHECKPOINTS, METRICS, RunConfig
+from truneg.run_config import CHECKPOINTS, HC_SOURCES, METRICS, RunConfig
 
 RUN_FILE = "run.json"
 SHARED_PROBE_TIMEOUT_S = 10.0  # network file systems cache attributes for a few seconds
