@@ -231,10 +231,12 @@ def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: boo
     eligible = eligible_token_ids(tokens).tolist()
     token_to_id = {tokens[i]: i for i in eligible}
 
-    # synset (pos, offset) -> its single-word lemmas; 's' (satellite) lives in data.adj.
+    # synset (pos, offset) -> its single-word lemmas that the vocab holds in some case; 's' (satellite) lives
+    # in data.adj.
+    in_vocab = {tok.lower() for tok in token_to_id}
     members: dict[tuple[str, int], list[str]] = {}
     for lemma, offsets_by_pos in lemma_index.items():
-        if "_" in lemma:
+        if lemma not in in_vocab:  # also every multi-word lemma ("_"): no whole-word token has one
             continue
         for pos, offsets in offsets_by_pos.items():
             for offset in offsets:
