@@ -36,6 +36,25 @@ def test_counts_match_a_hand_computed_case():
     assert total.iter_ratio == pytest.approx(1 / 3) and total.pred_ratio == pytest.approx(2 / 3)
 
 
+def predict_from_gold(patch: pytest.MonkeyPatch, predict) -> None:
+    """Make the BERT head predict `predict(gold ids)` with certainty (argmax and sample alike): it reads the gold
+    at the masked positions from the unmasked rows that masking is handed, captured here."""
+    from truneg import masking
+
+    real_mask, seen = masking.mask_tokens, {}
+
+    def capturing_mask(rows, *args, **kwargs):
+        seen["original"] = torch.as_tensor(rows).long()
+        return real_mask(rows, *args, **kwargs)
+
+    def logits(mlm, hidden, positions):
+        pred = predict(seen["original"].gather(1, positions))
+        return 60.0 * torch.nn.functional.one_hot(pred, mlm.config.vocab_size).float()
+
+    patch.setattr(models, "bert_masked_logits", logits)
+    patch.setattr(masking, "mask_tokens", capturing_mask)
+
+
 def test_evaluate_counts_synonym_predictions_of_a_stub_mlm(monkeypatch):
     tokenizer = load_tokenizer()
     table = SynonymTable.load(SHIPPED_WORDNET_TABLE)
@@ -44,23 +63,11 @@ def test_evaluate_counts_synonym_predictions_of_a_stub_mlm(monkeypatch):
     blocks = rng.choice([primary, house], size=(40, 16)).astype(np.int32)
     blocks[:, 0], blocks[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
 
-    def stub_logits(mlm, hidden, positions):
-        # predicts "main" where the gold is "primary", and the gold itself elsewhere: reads the gold from
-        # the unmasked blocks, which the stub captures below
-        gold = stub_logits.original.gather(1, positions)
-        pred = torch.where(gold == primary, torch.full_like(gold, main), gold)
-        return torch.nn.functional.one_hot(pred, len(tokenizer)).float()
-
     from truneg import masking
 
     real_mask = masking.mask_tokens
-
-    def capturing_mask(rows, *args, **kwargs):
-        stub_logits.original = torch.as_tensor(rows)
-        return real_mask(rows, *args, **kwargs)
-
-    monkeypatch.setattr(models, "bert_masked_logits", stub_logits)
-    monkeypatch.setattr(masking, "mask_tokens", capturing_mask)
+    # predicts "main" where the gold is "primary", and the gold itself elsewhere
+    predict_from_gold(monkeypatch, lambda gold: torch.where(gold == primary, torch.full_like(gold, main), gold))
     mlm = models.build_pretrainer("bert-tiny", models.ObjectiveConfig()).mlm
     counts, cases = evaluate(mlm, blocks, tokenizer, SynonymLookup(table), seed=3, batch_size=16, max_cases=3, table=table)
     # the hand reference: the same masks, drawn by the same pure function
@@ -109,25 +116,12 @@ def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):
 
     # fn-cases, with the head made to predict each masked word's first WordNet synonym (the tiny model predicts
     # none): -n of the false negatives found are shown
-    from truneg import masking
-
     table = SynonymTable.load(SHIPPED_WORDNET_TABLE)
     first_synonym = torch.arange(table.vocab_size)
     has_one = np.nonzero(table.indptr[1:] > table.indptr[:-1])[0]
     first_synonym[has_one] = torch.from_numpy(table.indices[table.indptr[has_one]]).long()
-    real_mask = masking.mask_tokens
-
-    def capturing_mask(rows, *args, **kwargs):
-        synonym_logits.original = torch.as_tensor(rows).long()
-        return real_mask(rows, *args, **kwargs)
-
-    def synonym_logits(mlm, hidden, positions):
-        pred = first_synonym[synonym_logits.original.gather(1, positions)]
-        return 60.0 * torch.nn.functional.one_hot(pred, mlm.config.vocab_size).float()  # certain, sampled too
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(models, "bert_masked_logits", synonym_logits)
-        patch.setattr(masking, "mask_tokens", capturing_mask)
+        predict_from_gold(patch, lambda gold: first_synonym[gold])
         cases = cli_in_process("fn-cases", "--checkpoint", str(exported), "--data", str(small_corpus), "--seq-len",
                                "64", "-n", "5", "--out", str(tmp_path / "cases"), "--prediction", "sample")
     assert cases.returncode == 0, cases.stderr[-3000:]
