@@ -39,6 +39,7 @@ from bench.gpu_runs import DS_CONFIGS, patched, plain_step, read_records, start_
 
 MICRO, ACCUM = 64, 4
 STEPS = 15 if len(sys.argv) == 1 else 25
+LOG_STEPS = 5  # truneg's records: each the mean step of this many; the plain loop is timed the same way
 PROFILED_STEPS = 2  # fewer events: the profiler's host work is smaller, and so is the trace
 TRACE_LIMIT_BYTES = 15 * 2**20  # the device machine returns files up to 16 MiB
 
@@ -122,7 +123,7 @@ def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", mic
 
             stack.enter_context(patched(loop, "train_step", profiled_step))
         pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(micro),
-                       "--gradient-accumulation-steps", str(MICRO * ACCUM // micro), "--max-steps", str(STEPS), "--log-steps", "5",
+                       "--gradient-accumulation-steps", str(MICRO * ACCUM // micro), "--max-steps", str(STEPS), "--log-steps", str(LOG_STEPS),
                        "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *flags])
     records = read_records(out)
     rate = statistics.median(r["samples_per_sec"] for r in records[1:])
@@ -147,20 +148,20 @@ def plain_rate(compiled: bool = False, profile: bool = False, micro: int = MICRO
     rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
     batch = {k: v.cuda() for k, v in mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id,
                                                   len(tokenizer), "bert", 0, 0, np.arange(micro), 20).items()}
-    times = []
+    intervals = []  # as truneg's records: the mean step of each LOG_STEPS, the median over those after the first
     with (profiled("plain") if profile else contextlib.nullcontext()) as prof, peak_memory(f"plain_micro{micro}"):
-        for step in range(STEPS):
+        for _ in range(STEPS // LOG_STEPS):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            plain_step(model, optimizer, batch, accum)
+            for _ in range(LOG_STEPS):
+                plain_step(model, optimizer, batch, accum)
+                if prof is not None:
+                    prof.step()
             torch.cuda.synchronize()
-            if step >= 3:
-                times.append(time.perf_counter() - t0)
-            if prof is not None:
-                prof.step()
+            intervals.append((time.perf_counter() - t0) / LOG_STEPS)
     del model, optimizer
     torch.cuda.empty_cache()
-    rate = micro * accum / statistics.median(times)
+    rate = micro * accum / statistics.median(intervals[1:])
     print(f"RATE plain_micro{micro}{'_compiled' if compiled else ''}{'_profiled' if profile else ''}: {rate:.1f} "
           "samples/s", flush=True)
     return rate
