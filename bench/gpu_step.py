@@ -145,9 +145,8 @@ def stage_syncs(mode: Mode, note: Summary, work: Path) -> bool:
         stop, guard = loop.StopSignal(), loop.SkipGuard(engine)
         for _ in range(2):  # warm-up: allocator, library handles, lazy initialisation
             loop.train_step(engine, state, stop, guard, set())
-        batch = next(state.batches)
-        with counter.phase("input copy"):
-            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+        with counter.phase("input copy"):  # the next micro-batch, copied to the device
+            batch = next(state.batches)
         with counter.phase("forward"):
             loss, stats = engine(**batch)
         with counter.phase("metrics"):

@@ -95,6 +95,12 @@ def test_background_workers_give_the_same_batches_and_the_consumed_position(toke
         return [next(batches) for _ in range(n)], batches.position
 
     inline, inline_position = take(0, 13)  # 10 micro-batches an epoch: crosses into the second
+    # what the workers pack into one buffer comes out as mask_tokens made it: keys, dtypes, shapes, values
+    epoch, indices = next(iter(ResumableSampler(40, 4, 1, 0, seed=3)))
+    direct = mask_tokens(blocks[indices], sorted(tokenizer.all_special_ids), tokenizer.mask_token_id, len(tokenizer),
+                         "bert", 0, epoch, indices, 4)
+    assert list(inline[0]) == list(direct)
+    assert all(inline[0][k].dtype == v.dtype and torch.equal(inline[0][k], v) for k, v in direct.items())
     torch.manual_seed(0)
     ahead, ahead_position = take(2, 13)
     torch.manual_seed(0)
@@ -105,6 +111,11 @@ def test_background_workers_give_the_same_batches_and_the_consumed_position(toke
     assert inline_position == ahead_position == {"epoch": 1, "offset": 12}
     for a, b in zip(inline, ahead):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # on another device (meta stands in for a GPU here): one copy, and every tensor of the batch is there
+    sampler = ResumableSampler(40, 4, 1, 0, seed=3)
+    moved = next(MaskedBatches(blocks, sampler, tokenizer, "bert", seed=0, max_predictions=4, device=torch.device("meta")))
+    assert {k: (v.device.type, v.dtype, v.shape) for k, v in moved.items()} == \
+        {k: ("meta", v.dtype, v.shape) for k, v in direct.items()}
     resumed, _ = take(2, 7, state=ahead_position)
     rest, _ = take(0, 20)
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(resumed, rest[13:]))
