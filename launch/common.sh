@@ -6,8 +6,9 @@
 # is activated on each node), passwordless ssh from the launching node, and OUTPUT and the data on storage
 # every node sees (only rank 0 writes `latest` and the run record: a node-local OUTPUT makes the nodes
 # disagree on where to resume). DeepSpeed forwards only some variables (PYTHON*, UCX_*; NCCL_* only from
-# a node with a GPU) to the other nodes; the rest, and this shell's NCCL_* and CUDA_HOME, go in
-# $OUTPUT/deepspeed_env, which DS_ENV_FILE names (see truneg/hostfile.py).
+# a node with a GPU) to the other nodes; the rest, and this shell's NCCL_*, CUDA_HOME, MASTER_ADDR/PORT
+# (the MPI and Slurm runners set none) and PATH, go in $OUTPUT/deepspeed_env, which DS_ENV_FILE names
+# (see truneg/hostfile.py).
 #
 #   OUTPUT    the run's folder (required; shared storage)
 #   GPU       v100 (default: fp16, the paper's machines) | a100 | h100 | h200 (bf16)
@@ -46,7 +47,7 @@ mkdir -p "$OUTPUT"
 OUTPUT="$(cd "$OUTPUT" && pwd)"
 if [ "$HOSTFILE" != local ]; then
   export DS_ENV_FILE="$OUTPUT/deepspeed_env"
-  "$PYTHON" -m truneg.hostfile "$HOSTFILE" --env-file "$DS_ENV_FILE"
+  "$PYTHON" -m truneg.hostfile "$HOSTFILE" --env-file "$DS_ENV_FILE" --gpu-arch "$GPU_ARCH"  # each rank checks its GPU
 fi
 
 absolute() {  # a path as seen from here, for every node (DeepSpeed's runner cds to this folder there, and
@@ -79,6 +80,15 @@ continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's cont
 }
 
 launch() {
+  # LAUNCHER_ARGS split as a shell splits it, so a quoted value stays one word (--launcher_args "--mca
+  # btl_tcp_if_include ib0"); Python's shlex re-quotes each word, so nothing in it runs or expands here.
+  local launcher_args=() quoted
+  if [ -n "${LAUNCHER_ARGS:-}" ]; then
+    quoted="$("$PYTHON" -c 'import shlex, sys; print(" ".join(map(shlex.quote, shlex.split(sys.argv[1]))))' \
+      "$LAUNCHER_ARGS" 2>/dev/null)" || {
+      echo "truneg: error: LAUNCHER_ARGS=$LAUNCHER_ARGS has an unclosed quote; quote it as in a shell" >&2; exit 2; }
+    eval "launcher_args=($quoted)"
+  fi
   if [ "${PREFLIGHT:-1}" != 0 ]; then
     local checked=(--gpu-arch "$GPU_ARCH")  # local: this machine's GPUs, as deepspeed counts them
     if [ "$HOSTFILE" != local ]; then checked+=(--hostfile "$HOSTFILE"); fi
@@ -86,5 +96,5 @@ launch() {
     "$PYTHON" -m truneg.preflight ${checked[@]+"${checked[@]}"} --launcher-args="${LAUNCHER_ARGS:-}" "$@"
   fi
   # exec: the launcher's exit status, which is a failed rank's, is this script's.
-  exec "$DEEPSPEED" ${hosts[@]+"${hosts[@]}"} ${LAUNCHER_ARGS:-} "$REPO/truneg/pretrain.py" "$@"
+  exec "$DEEPSPEED" ${hosts[@]+"${hosts[@]}"} ${launcher_args[@]+"${launcher_args[@]}"} "$REPO/truneg/pretrain.py" "$@"
 }

@@ -74,6 +74,35 @@ def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote
             write_env_file(tmp_path / "out", {"X": value}, carry_over=[])
 
 
+def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_and_the_venvs_path(tmp_path, monkeypatch):
+    """~/.deepspeed_env's values stand over truneg's defaults (what the launching shell sets goes over both);
+    MASTER_ADDR/PORT reach every rank (the MPI and Slurm runners set none, and a rank without it waits in MPI
+    discovery while the others do not); PATH leads to the venv's ninja (only pdsh activates the venv)."""
+    from truneg import hostfile
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for name in ("HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRUNEG_CACHE", "/scratch/tok")
+    monkeypatch.setenv("MASTER_ADDR", "node-01")
+    monkeypatch.setenv("PATH", "/usr/bin:/opt/my tools:/bin")
+    (tmp_path / ".deepspeed_env").write_text("HF_HOME=/shared/hf\nNLTK_DATA=/shared/nltk\nTRUNEG_CACHE=/old\n")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-01 slots=8 max_slots=8  # the first\nnode-02 slots=8\n")
+    hostfile.main([str(hosts), "--env-file", str(tmp_path / "run" / "deepspeed_env")])
+    written = dict(line.split("=", 1) for line in (tmp_path / "run" / "deepspeed_env").read_text().splitlines())
+    venv_bin = f"{sys.prefix}/bin"
+    assert written == {"TRUNEG_CACHE": "/scratch/tok", "HF_HOME": "/shared/hf", "NLTK_DATA": "/shared/nltk",
+                       "TORCH_EXTENSIONS_DIR": hostfile.launch_env()["TORCH_EXTENSIONS_DIR"],  # the default
+                       "MASTER_ADDR": "node-01", "PATH": f"{venv_bin}:/usr/bin:/bin"}  # an entry with a space left out
+    assert hostfile.check_hostfile(hosts) == {"node-01": 8, "node-02": 8}  # Open MPI's max_slots and a comment
+    # --check-ssh goes where deepspeed's own ssh goes: its --ssh_port
+    calls = []
+    monkeypatch.setattr(hostfile.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    assert hostfile.check_ssh(["node-01"], port=2222) == [] and calls[0][-4:] == ["-p", "2222", "node-01", "true"]
+
+
 def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path):
     stub = tmp_path / "deepspeed"
     stub.write_text('#!/bin/sh\necho "DS_ENV_FILE=$DS_ENV_FILE"\necho "$@"\n')
@@ -90,7 +119,8 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     assert f"--output-dir {out} " in done.stdout and "electra_small_v100_fp16_zero2.json" in done.stdout
     assert "--seed 3" in done.stdout and f"--hostfile {REPO}/launch/hosts" in done.stdout
     keys = [line.split("=", 1)[0] for line in (out / "deepspeed_env").read_text().splitlines()]
-    assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR"]
+    assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR", "PATH", "TRUNEG_GPU_ARCH"]
+    assert "TRUNEG_GPU_ARCH=sm70\n" in (out / "deepspeed_env").read_text()  # GPU=v100, the default
     # every recipe: its model, sequence length and config for the GPU, INIT where it continues, COMPILE=1
     expect = {"bert_base.sh": ("bert-base", 512, "bert_base_continued_a100_bf16_zero1.json"),
               "bert_large.sh": ("bert-large", 512, "bert_large_continued_a100_bf16_zero1.json"),
@@ -134,6 +164,22 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
         preflight_line = next(line for line in proc.stdout.splitlines() if line.startswith("PREFLIGHT"))
         assert expected in preflight_line, preflight_line
         assert ("--hostfile" in preflight_line) == ("HOSTFILE" not in extra), preflight_line
+    # LAUNCHER_ARGS split as a shell splits it: a quoted value reaches deepspeed as one word; nothing in it runs
+    words = tmp_path / "deepspeed_words"
+    words.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    words.chmod(0o755)
+    ran = tmp_path / "ran"
+    launcher_args = f'--launcher openmpi --launcher_args "--mca btl_tcp_if_include ib0" $(touch {ran})'
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], capture_output=True, text=True,
+                          env={**env, "OUTPUT": str(out), "DEEPSPEED": str(words), "LAUNCHER_ARGS": launcher_args})
+    assert proc.returncode == 0, proc.stderr
+    given = proc.stdout.splitlines()
+    assert given[given.index("--launcher_args") + 1] == "--mca btl_tcp_if_include ib0", given
+    assert f"{ran})" in given and not ran.exists()
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], capture_output=True, text=True,
+                          env={**env, "OUTPUT": str(out), "LAUNCHER_ARGS": "--include 'node-01"})
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "truneg: error: LAUNCHER_ARGS=--include 'node-01 has an unclosed quote; quote it as in a shell"], proc.stderr
 
 
 def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monkeypatch):
@@ -183,7 +229,13 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     assert preflight.run(glob) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 2 and "pdsh is not installed" in errors[0] and "is a glob" in errors[1]
-    assert preflight.run([*glob, "--launcher", "openmpi"]) == 0  # which passes arguments on through no shell
+    # the openmpi and slurm runners pass arguments on through no shell, but set no MASTER_ADDR (mpi4py: none here)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert preflight.run([*glob, "--launcher", "openmpi"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "deepspeed's openmpi launcher gives the ranks no MASTER_ADDR: export MASTER_ADDR=" in line, line
+    monkeypatch.setenv("MASTER_ADDR", "node-01")
+    assert preflight.run([*glob, "--launcher", "openmpi"]) == 0
     assert preflight.run([*glob, "--launcher-args=--launcher=slurm"]) == 0  # LAUNCHER_ARGS, as the scripts pass it
     capsys.readouterr()
     # LAUNCHER_ARGS' node filters change the world size as deepspeed's runner applies them; one node needs no pdsh
@@ -197,7 +249,7 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     assert preflight.run([*argv, "--launcher-args=--include node-02:0,1@node-04"]) == 2
     assert "does not split over 10 ranks" in capsys.readouterr().err
     # without a hostfile, deepspeed reads CUDA_VISIBLE_DEVICES as --include, or drops it for a GPU filter; the
-    # options are split on whitespace as the scripts' unquoted ${LAUNCHER_ARGS} is; launcher names as it lowers them
+    # options are split as a shell splits them (as the scripts do); launcher names as it lowers them
     from truneg.hostfile import launched_resources
 
     assert launched_resources({}, 2, "", "4,5") == ({"localhost": 2}, None)
@@ -207,8 +259,22 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
         with pytest.raises(UserError, match=said):
             launched_resources({}, 2, launcher_args, "4,5")
     assert launched_resources({"a": 8}, 2, "--num_gpus 2", "4,5") == ({"a": 2}, None)  # a hostfile: not read
-    with pytest.raises(UserError, match="Hostname"):
-        launched_resources({"a": 8}, 2, "--include 'a'")  # the quotes reach deepspeed as they are
+    assert launched_resources({"a": 8}, 2, "--include 'a'") == ({"a": 8}, None)
+    quoted = "--launcher openmpi --launcher_args '--mca btl_tcp_if_include ib0'"
+    assert launched_resources({"a": 8, "b": 8}, 2, quoted) == ({"a": 8, "b": 8}, "openmpi")
+    # what the chosen runner itself refuses at launch, by its own checks: the MPI runners take no node filter,
+    # srun no uneven slots; with one node left deepspeed builds no runner, and only the slot check applies
+    for launcher_args, said in (("--launcher openmpi --num_gpus 4", "openmpi launcher refuses them: openmpi backend "
+                                 "does not support limiting num nodes/gpus"),
+                                ("--launcher mvapich --exclude b", None),
+                                ("--launcher slurm --include a:0,1@b:0", "slurm backend needs the same slot count"),
+                                ("--launcher slurm --include a:2,3@b:0,1", "cannot select specific device ids"),
+                                ("--include 'a", "No closing quotation")):
+        if said is None:
+            assert launched_resources({"a": 8, "b": 8}, 2, launcher_args) == ({"a": 8}, "mvapich")
+            continue
+        with pytest.raises(UserError, match=said):
+            launched_resources({"a": 8, "b": 8}, 2, launcher_args)
     for launcher_args, said in (("--include node-09", "Hostname 'node-09' not found in hostfile"),
                                 ("--num_nodes 2 --exclude node-01", "--num_nodes/--num_gpus together with --include"),
                                 ("--frobnicate", "unrecognized arguments: --frobnicate")):
@@ -226,3 +292,10 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     first = capsys.readouterr().err.splitlines()[0]
     assert "--gpu-arch sm70 (the launch scripts' GPU=...) but this node's GPU is sm_90: set GPU" in first, first
     assert preflight.run(["--gpu-arch", "sm90", *v100[2:]]) == 0  # the same run, told the right GPU
+    # a launch from a node without a GPU: the scripts' GPU=... reaches every rank in the env file, and each rank's
+    # start-up (the same checks, without --gpu-arch) compares it with its own GPU
+    monkeypatch.setenv(preflight.GPU_ARCH_ENV, "sm70")
+    assert preflight.run(v100[2:]) == 2
+    assert "GPU=... says sm70 (TRUNEG_GPU_ARCH) but this node's GPU is sm_90: set GPU" in capsys.readouterr().err
+    monkeypatch.setenv(preflight.GPU_ARCH_ENV, "sm90")
+    assert preflight.run(v100[2:]) == 0

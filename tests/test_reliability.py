@@ -159,6 +159,81 @@ def test_non_finite_losses_skip_their_step_then_stop_the_run(tmp_path, launch_en
     assert [records[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]  # DeepSpeed's running total
 
 
+FP16_ZERO0_STEP = """
+import json, os, sys, types
+import torch, deepspeed
+from deepspeed.accelerator import get_accelerator
+from truneg import loop
+
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo")
+get_accelerator().is_fp16_supported = lambda: True  # DeepSpeed's fp16 optimizer itself runs on the CPU
+if sys.argv[2] == "unscaled":
+    loop.backward_loss_scale = lambda engine: 1.0  # what DeepSpeed's engine.backward alone does
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return (self.lin(x).float() - y).pow(2).mean(), {}
+
+
+torch.manual_seed(0)
+model, x, y = Tiny(), torch.randn(4, 8), torch.randn(4, 1)
+reference = Tiny()
+reference.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
+(reference(x.half().float(), y)[0]).backward()  # fp32 SGD from the same (fp16-rounded) weights
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
+          "gradient_clipping": 0.0, "fp16": {"enabled": True, "initial_scale_power": 10}}  # 1024: this loss's scaled gradients fit fp16
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config)
+before = engine.module.lin.weight.detach().float().clone()
+state = types.SimpleNamespace(batches=iter([{"x": x.half(), "y": y}]), rank=0,
+                              metrics=types.SimpleNamespace(add=lambda *a: None))
+loop.train_step(engine, state, types.SimpleNamespace(received=None), loop.SkipGuard(engine), set())
+print(json.dumps({"optimizer": type(engine.optimizer).__name__, "skipped": engine.skipped_steps,
+                  "step": (engine.module.lin.weight.float() - before).tolist(),
+                  "expected": (-0.5 * reference.lin.weight.grad).tolist()}))
+"""
+
+
+def test_fp16_at_zero_stage_0_steps_as_fp32_does(tmp_path, launch_env):
+    """DeepSpeed 0.19's engine.backward leaves the loss unscaled for fp16 at ZeRO-0, where its fp16 optimizer
+    (the LAMB recipe's) divides the gradients by the loss scale (deepspeedai/DeepSpeed#8393): train_step
+    scales the loss itself. DeepSpeed's own FP16_UnfusedOptimizer, on the CPU, one SGD step against fp32's.
+    Unscaled, the step is the loss scale (here 1,024) times too small; this also fails once DeepSpeed scales
+    the loss itself (twice, then)."""
+    script = tmp_path / "fp16_step.py"
+    script.write_text(FP16_ZERO0_STEP)
+    steps = {}
+    for mode in ("scaled", "unscaled"):
+        proc = subprocess.run([sys.executable, str(script), str(free_port()), mode], env=launch_env, cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        steps[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = torch.tensor(steps["scaled"]["expected"])
+    assert steps["scaled"]["optimizer"] == "FP16_UnfusedOptimizer" and steps["scaled"]["skipped"] == 0
+    assert torch.allclose(torch.tensor(steps["scaled"]["step"]), expected, rtol=2e-2, atol=1e-3)
+    assert torch.tensor(steps["unscaled"]["step"]).abs().max() < 1e-3 * expected.abs().max()
+    # a DeepSpeed not known to leave it unscaled might scale it too: fp16 at ZeRO-0 is refused there
+    from truneg import preflight
+
+    config = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}
+    assert preflight.check_fp16_loss_scaling(config) is None
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    try:
+        importlib.metadata.version = lambda name: "0.20.1" if name == "deepspeed" else real(name)
+        said = preflight.check_fp16_loss_scaling(config)
+        assert said.startswith("fp16 at ZeRO stage 0 with deepspeed 0.20.1: truneg scales the loss itself"), said
+        assert preflight.check_fp16_loss_scaling({**config, "zero_optimization": {"stage": 2}}) is None
+    finally:
+        importlib.metadata.version = real
+
+
 def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path, launch_env, small_corpus):
     """Rank 0 alone completes a checkpoint (META, `latest`); when that fails (here `latest.tmp` is a folder, as
     a full disk would fail it), the other ranks learn it from the same all-reduce and stop too, where across

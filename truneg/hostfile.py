@@ -25,11 +25,12 @@ from pathlib import Path
 
 from truneg.errors import UserError, exit_on_user_error
 
-LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")
+# Open MPI's hostfiles (which its DeepSpeed runner hands to mpirun) may add max_slots=N and a comment.
+LINE = re.compile(r"^(\S+)\s+slots=(\d+)(?:\s+max_slots=\d+)?\s*(?:#.*)?$")
 
 
 def check_hostfile(path: str | Path) -> dict[str, int]:
-    """{host: slots} in file order. Stricter than DeepSpeed's parser, which accepts trailing words and
+    """{host: slots} in file order. Stricter than DeepSpeed's parser, which accepts any trailing words and
     slots=0, and names the line at fault."""
     path = Path(path)
     if not path.is_file():
@@ -78,11 +79,22 @@ def launch_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
-def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """This node's NCCL settings (DeepSpeed forwards them only from a node with a GPU, and the wrappers may
-    launch from one without) and CUDA_HOME (nvcc for the fused optimizers' JIT builds on each node)."""
+def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | None = None) -> dict[str, str]:
+    """What this shell sets that the ranks on other nodes need and DeepSpeed does not forward:
+    - its NCCL settings (DeepSpeed forwards them only from a node with a GPU; the wrappers may launch from
+      one without) and CUDA_HOME (nvcc for the fused optimizers' JIT builds on each node);
+    - MASTER_ADDR and MASTER_PORT, for the openmpi, mvapich and slurm runners, which set none: a rank
+      without them would go to MPI discovery while the ranks with them would not, and wait there;
+    - PATH with the venv's bin first (ninja for the JIT builds): only the pdsh runner activates the venv
+      (--venv_script). Entries the remote shell would split or expand are left out."""
     environ = dict(os.environ if environ is None else environ)
-    return {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARDED_PREFIXES) or k == "CUDA_HOME"}
+    names = ("CUDA_HOME", "MASTER_ADDR", "MASTER_PORT")
+    forwarded = {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARDED_PREFIXES) or k in names}
+    if "PATH" in environ:
+        venv_bin = str(venv_bin or Path(sys.prefix) / "bin")
+        entries = [venv_bin] + [e for e in environ["PATH"].split(os.pathsep) if e and e != venv_bin]
+        forwarded["PATH"] = os.pathsep.join(e for e in entries if not UNSAFE_VALUE.search(e))
+    return forwarded
 
 
 def _read_env_file(path: Path) -> dict[str, str]:
@@ -100,14 +112,15 @@ def _read_env_file(path: Path) -> dict[str, str]:
 
 
 def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Path] | None = None,
-                   forwarded: dict[str, str] | None = None) -> dict[str, str]:
-    """Write `NAME=value` lines DeepSpeed's launcher reads (DS_ENV_FILE): `forwarded` (this shell's), then the
-    lines of `carry_over` files (default: ~/.deepspeed_env and ./.deepspeed_env, which an absolute DS_ENV_FILE
-    hides), which override them as in DeepSpeed's runner, then `values` over both. Returns what was written."""
+                   forwarded: dict[str, str] | None = None, defaults: dict[str, str] | None = None) -> dict[str, str]:
+    """Write `NAME=value` lines DeepSpeed's launcher reads (DS_ENV_FILE), each over the ones before:
+    `defaults`, `forwarded` (this shell's), the lines of `carry_over` files (default: ~/.deepspeed_env and
+    ./.deepspeed_env, which an absolute DS_ENV_FILE hides; over the forwarded ones as in DeepSpeed's runner),
+    then `values` (what this shell sets). Returns what was written."""
     path = Path(path)
     if carry_over is None:
         carry_over = [Path.home() / ".deepspeed_env", Path.cwd() / ".deepspeed_env"]
-    merged: dict[str, str] = dict(forwarded or {})
+    merged: dict[str, str] = {**(defaults or {}), **(forwarded or {})}
     for extra in carry_over:
         if extra.is_file() and extra.resolve() != path.resolve():
             merged.update(_read_env_file(extra))
@@ -123,10 +136,25 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
     return merged
 
 
-def check_multi_node_launch(train_data: list[str], launcher: str) -> list[str]:
-    """What only a launch over pdsh trips on (DeepSpeed's default for several nodes): pdsh itself (there is no
-    ssh fallback), and a glob: pdsh hands each argument without a space unquoted to every node's shell, which
-    expands it itself (bash's `**` is `*`: fewer files than this node's Python finds)."""
+# DeepSpeed's runners that start the ranks without a MASTER_ADDR (mpich and impi set one; pdsh's launch.py too)
+NO_MASTER_ADDR_LAUNCHERS = ("openmpi", "mvapich", "slurm")
+
+
+def check_multi_node_launch(train_data: list[str], launcher: str,
+                            environ: dict[str, str] | None = None) -> list[str]:
+    """What a launch over several nodes trips on before its first step. The openmpi, mvapich and slurm runners
+    set no MASTER_ADDR: without one (or mpi4py, for DeepSpeed's MPI discovery) every rank stops at start-up.
+    Over pdsh (DeepSpeed's default): pdsh itself (there is no ssh fallback), and a glob: pdsh hands each
+    argument without a space unquoted to every node's shell, which expands it itself (bash's `**` is `*`:
+    fewer files than this node's Python finds)."""
+    import importlib.util
+
+    environ = dict(os.environ if environ is None else environ)
+    if launcher in NO_MASTER_ADDR_LAUNCHERS and "MASTER_ADDR" not in environ \
+            and importlib.util.find_spec("mpi4py") is None:
+        return [f"deepspeed's {launcher} launcher gives the ranks no MASTER_ADDR: export MASTER_ADDR=<the first node's "
+                "address> (and MASTER_PORT, default 29500) here, which the launch scripts' env file carries to every "
+                "node, or pip install mpi4py for DeepSpeed's MPI discovery"]
     if launcher != "pdsh":  # the MPI and Slurm runners pass the arguments on as they are, through no shell
         return []
     problems = []
@@ -140,12 +168,14 @@ def check_multi_node_launch(train_data: list[str], launcher: str) -> list[str]:
     return problems
 
 
-def check_ssh(hosts: list[str], timeout_s: int = 10) -> list[str]:
-    """Hosts that passwordless ssh does not reach (the pdsh/ssh launchers need it)."""
+def check_ssh(hosts: list[str], timeout_s: int = 10, port: int | None = None) -> list[str]:
+    """Hosts that passwordless ssh (on `port`: deepspeed's --ssh_port) does not reach (pdsh needs it)."""
     problems = []
     for host in hosts:
+        port_args = ["-p", str(port)] if port is not None else []
         try:
-            result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", host, "true"],
+            result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", *port_args, host,
+                                     "true"],
                                     capture_output=True, text=True, timeout=timeout_s + 5)
             failed = result.returncode != 0
             detail = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
@@ -156,26 +186,37 @@ def check_ssh(hosts: list[str], timeout_s: int = 10) -> list[str]:
     return problems
 
 
+def launcher_options(launcher_args: str) -> argparse.Namespace:
+    """The options given to `deepspeed` itself (the launch scripts' LAUNCHER_ARGS), as its own parser reads
+    them, the string split as a shell splits it (the scripts do, so `--launcher_args "--mca ..."` stays
+    one value)."""
+    import contextlib
+    import io
+    import shlex
+
+    from deepspeed.launcher import runner
+
+    said = io.StringIO()
+    try:
+        words = shlex.split(launcher_args)
+        with contextlib.redirect_stderr(said):
+            return runner.parse_args([*words, "pretrain.py"])
+    except (SystemExit, ValueError) as err:
+        reason = (said.getvalue().strip().splitlines() or [str(err)])[-1].split("error: ", 1)[-1]
+        raise UserError(f"LAUNCHER_ARGS {launcher_args!r}: {reason}; see deepspeed --help") from None
+
+
 def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: str,
                        visible_devices: str = "") -> tuple[dict[str, int], str | None]:
     """The nodes and GPU counts `deepspeed` itself would start for these options, and the launcher they name
     (None when they do not name one): the hostfile's slots (or this machine's GPUs without one) narrowed by
-    --include/--exclude, --num_nodes and --num_gpus, with DeepSpeed's own parser and filters. The options are
-    split on whitespace as the launch scripts' unquoted ${LAUNCHER_ARGS} is (quotes reach deepspeed as they
-    are). `visible_devices`: CUDA_VISIBLE_DEVICES, which deepspeed reads only without a hostfile."""
-    import contextlib
-    import io
-
+    --include/--exclude, --num_nodes and --num_gpus, with DeepSpeed's own parser, filters and its runners'
+    own checks of them. `visible_devices`: CUDA_VISIBLE_DEVICES, which deepspeed reads only without a
+    hostfile."""
     from deepspeed.launcher import runner
     from deepspeed.launcher.constants import PDSH_LAUNCHER  # deepspeed's default --launcher
 
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            options = runner.parse_args([*launcher_args.split(), "pretrain.py"])
-    except (SystemExit, ValueError) as err:
-        reason = (said.getvalue().strip().splitlines() or [str(err)])[-1].split("error: ", 1)[-1]
-        raise UserError(f"LAUNCHER_ARGS {launcher_args!r}: {reason}; see deepspeed --help") from None
+    options = launcher_options(launcher_args)
     launcher = options.launcher.lower() if options.launcher != PDSH_LAUNCHER else None
     if (options.num_nodes >= 0 or options.num_gpus >= 0) and (options.include or options.exclude):
         raise UserError("LAUNCHER_ARGS: deepspeed refuses --num_nodes/--num_gpus together with --include/--exclude; "
@@ -196,6 +237,17 @@ def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: st
     except ValueError as err:
         raise UserError(f"LAUNCHER_ARGS: {err}") from None
     active = runner.apply_num_nodes_and_gpus(active, options.num_nodes, options.num_gpus)
+    # what the chosen runner refuses at launch (the MPI runners take no node filter, srun no uneven slots)
+    runner_class = runner.LAUNCHER_CLASSES.get(options.launcher.lower())
+    try:
+        if runner_class is not None:
+            runner_class.validate_active_resources(active)
+            if len([slots for slots in active.values() if slots]) > 1:  # deepspeed builds a runner only then
+                probe = runner_class.__new__(runner_class)
+                probe.args = options
+                probe.validate_args()
+    except ValueError as err:
+        raise UserError(f"LAUNCHER_ARGS: deepspeed's {options.launcher.lower()} launcher refuses them: {err}") from None
     return {host: len(slots) for host, slots in active.items() if slots}, launcher
 
 
@@ -205,10 +257,17 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hostfile")
     parser.add_argument("--env-file", type=Path, help="write the launch env file here (export DS_ENV_FILE=it)")
+    parser.add_argument("--gpu-arch", help="the nodes' GPUs (sm70, sm80, sm90), for each rank to check its own against")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     pool = check_hostfile(args.hostfile)
     if args.env_file:
-        written = write_env_file(args.env_file, launch_env(), forwarded=forwarded_env())
+        from truneg.preflight import GPU_ARCH_ENV
+
+        defaults = launch_env()
+        values = {k: v for k, v in os.environ.items() if k in defaults and v}
+        if args.gpu_arch:
+            values[GPU_ARCH_ENV] = args.gpu_arch
+        written = write_env_file(args.env_file, values, defaults=defaults, forwarded=forwarded_env())
         print(f"{args.env_file}: " + " ".join(f"{k}={v}" for k, v in written.items()))
     else:
         print(f"{args.hostfile}: {len(pool)} nodes, {sum(pool.values())} slots: " + ", ".join(f"{h}={s}" for h, s in pool.items()))

@@ -82,7 +82,7 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
     metrics.truncate_after(engine.global_steps)
     metrics.purge_monitors_after(int(engine.global_samples))
     batches = MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed, cfg.max_predictions,
-                            cfg.data_workers, pin_memory=engine.device.type == "cuda")
+                            cfg.data_workers, device=engine.device)
     return TrainState(sampler, batches, metrics, rank, world_size)
 
 
@@ -126,6 +126,21 @@ class SkipGuard:
         inner.step = guarded_step
 
 
+def backward_loss_scale(engine: DeepSpeedEngine) -> float:
+    """What train_step multiplies the loss by before `engine.backward`: fp16's current loss scale at ZeRO
+    stage 0, else 1. DeepSpeed 0.19's `engine.backward` scales the loss only for its ZeRO optimizers, while
+    the fp16 optimizers of stage 0 (FP16_Optimizer, FP16_UnfusedOptimizer: the LAMB recipe) divide every
+    gradient by the loss scale in their step (deepspeedai/DeepSpeed#8393, open): unscaled, the updates come
+    65,536 times too small, and smaller each time the scale grows. A host float: no sync.
+    `config.FP16_ZERO0_UNSCALED_DEEPSPEED` names the DeepSpeed versions this holds for."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if engine.fp16_enabled() and isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return float(engine.optimizer.loss_scale)
+    return 1.0
+
+
 def _injected_nonfinite_steps() -> set[int]:
     return {int(s) for s in os.environ.get(INJECT_NONFINITE_ENV, "").split(",") if s.strip()}
 
@@ -138,14 +153,15 @@ def train_step(engine: DeepSpeedEngine, state: TrainState, stop: StopSignal, gua
     micro_batches = engine.gradient_accumulation_steps()
     nonfinite = torch.zeros((), device=device)
     poison = engine.global_steps + 1 in inject and state.rank == 0
+    scale = backward_loss_scale(engine)  # changes only in engine.step()
     for micro in range(micro_batches):
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(state.batches).items()}
+        batch = next(state.batches)  # on the device
         loss, stats = engine(**batch)
         if poison:
             loss = loss * float("nan")
         finite = torch.isfinite(loss.detach())
         nonfinite = nonfinite + (~finite).float()
-        engine.backward(loss)
+        engine.backward(loss * scale if scale != 1.0 else loss)
         state.metrics.add(stats, loss, finite, engine.train_micro_batch_size_per_gpu())
         if micro == micro_batches - 1:
             # The step's one host sync: the stop flag and the non-finite count of every rank, before the update.
@@ -178,14 +194,15 @@ def compile_summary() -> str:
 
 def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
-    counts_nonfinite = not engine.fp16_enabled()  # in fp16 the loss scaler owns overflow
     started, start_step = time.perf_counter(), engine.global_steps
     state.metrics.interval_start = started  # the throughput counts training, not the start-up or a resume's load
     step = start_step
     while step < cfg.max_steps:
         stop_requested, skipped = train_step(engine, state, stop, guard, inject)
         step = engine.global_steps
-        if skipped and counts_nonfinite:
+        # A non-finite loss, in any precision (fp16's scaler overflows are non-finite gradients of a finite loss,
+        # which DeepSpeed skips and counts in skipped_steps; a loss scale cannot bring a non-finite loss back).
+        if skipped:
             state.nonfinite_in_a_row += 1
             state.metrics.count_nonfinite()
             if state.nonfinite_in_a_row >= cfg.max_nonfinite_steps:

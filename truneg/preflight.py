@@ -20,6 +20,9 @@ from truneg import config as ds_config
 from truneg.errors import UserError
 
 GPU_ARCHS = {"sm70": (7, 0), "sm80": (8, 0), "sm90": (9, 0)}
+# The launch scripts' GPU=... as its arch, in the env file every node reads: the ranks check it against their
+# own GPU (the preflight can only where the launching node has one).
+GPU_ARCH_ENV = "TRUNEG_GPU_ARCH"
 # The torch wheels that carry each generation's kernels (pytorch/pytorch#172352: 2.11 dropped sm_70 from
 # the CUDA 12.8 wheels, and the CUDA 13 wheels never had it).
 _WHEEL_FOR = {7: "cu126", 8: "cu128", 9: "cu128", 10: "cu128", 12: "cu128"}
@@ -171,6 +174,21 @@ def check_precision(config: dict, capability: tuple[int, int] | None) -> list[st
     return problems
 
 
+def check_fp16_loss_scaling(config: dict) -> str | None:
+    """fp16 at ZeRO stage 0 only with a DeepSpeed whose loss scaling there truneg knows (see
+    `config.FP16_ZERO0_UNSCALED_DEEPSPEED`): another one might scale the loss on top of truneg."""
+    from importlib.metadata import version
+
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    installed = version("deepspeed")
+    if ds_config.precision_of(config) != "fp16" or stage != 0 or installed.startswith(ds_config.FP16_ZERO0_UNSCALED_DEEPSPEED):
+        return None
+    known = ", ".join(f"{v}x" for v in ds_config.FP16_ZERO0_UNSCALED_DEEPSPEED)
+    return (f"fp16 at ZeRO stage 0 with deepspeed {installed}: truneg scales the loss itself for deepspeed {known}, "
+            "whose engine.backward does not there (deepspeedai/DeepSpeed#8393), and this one may scale it again; "
+            f"install deepspeed {known}, or use a config with ZeRO stage >= 1 or bf16")
+
+
 def _check_output_dir(output_dir: Path, nodes: int) -> list[str]:
     resolved = Path(output_dir).expanduser().absolute()
     if nodes > 1 and any(str(resolved) == p or str(resolved).startswith(p + "/") for p in _NODE_LOCAL):
@@ -209,10 +227,17 @@ def start_problems(args: argparse.Namespace, config: dict, world_size: int, capa
     and the corpus. `config` is resolve_config's."""
     capability = _capability(capability)
     problems = []
+    told = os.environ.get(GPU_ARCH_ENV)
+    if told in GPU_ARCHS and capability is not None and GPU_ARCHS[told][0] != capability[0]:
+        problems.append(f"the launch scripts' GPU=... says {told} ({GPU_ARCH_ENV}) but this node's GPU is "
+                        f"sm_{capability[0]}{capability[1]}: set GPU to this cluster's GPUs (v100, a100, h100, h200)")
     optimizer = check_optimizer(config)
     if optimizer:
         problems.append(optimizer)
     problems += check_precision(config, capability)
+    scaling = check_fp16_loss_scaling(config)
+    if scaling:
+        problems.append(scaling)
     if args.init_from and not Path(args.init_from).is_dir():
         problems.append(f"--init-from {args.init_from} is not a folder; pass an HF checkpoint folder "
                         "(ELECTRA: one holding generator/ and discriminator/)")
@@ -284,7 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: list[str] | None = None) -> int:
     """Print the summary and return 0, or print one line per problem and return 2."""
-    from truneg.hostfile import check_hostfile, check_multi_node_launch, check_ssh, launched_resources
+    from truneg.hostfile import (
+        check_hostfile,
+        check_multi_node_launch,
+        check_ssh,
+        launched_resources,
+        launcher_options,
+    )
     from truneg.pretrain import argument_problems
 
     args = build_parser().parse_args(argv)
@@ -325,7 +356,11 @@ def run(argv: list[str] | None = None) -> int:
     if len(hosts) > 1:
         problems += check_multi_node_launch(args.train_data, launcher)
     if args.check_ssh and hosts:
-        problems += check_ssh(list(hosts))
+        try:
+            port = launcher_options(args.launcher_args).ssh_port
+        except UserError:
+            port = None  # said above
+        problems += check_ssh(list(hosts), port=port)
     if problems:
         for problem in problems:
             print(f"truneg: error: {problem}", file=sys.stderr, flush=True)
