@@ -31,6 +31,15 @@ case "$GPU" in
   *) echo "truneg: error: GPU=$GPU: use v100, a100, h100 or h200" >&2; exit 2 ;;
 esac
 # Arrays below expand as ${a[@]+"${a[@]}"}: bash before 4.4 calls an empty "${a[@]}" unbound under set -u.
+# LAUNCHER_ARGS split as a shell splits it, so a quoted value stays one word (--launcher_args "--mca
+# btl_tcp_if_include ib0"); Python's shlex re-quotes each word, so nothing in it runs or expands here.
+launcher_args=()
+if [ -n "${LAUNCHER_ARGS:-}" ]; then
+  quoted="$("$PYTHON" -c 'import shlex, sys; print(" ".join(map(shlex.quote, shlex.split(sys.argv[1]))))' \
+    "$LAUNCHER_ARGS" 2>/dev/null)" || {
+    echo "truneg: error: LAUNCHER_ARGS=$LAUNCHER_ARGS has an unclosed quote; quote it as in a shell" >&2; exit 2; }
+  eval "launcher_args=($quoted)"
+fi
 hosts=()  # deepspeed's node arguments
 if [ "$HOSTFILE" != local ]; then
   "$PYTHON" -m truneg.hostfile "$HOSTFILE"
@@ -47,7 +56,10 @@ mkdir -p "$OUTPUT"
 OUTPUT="$(cd "$OUTPUT" && pwd)"
 if [ "$HOSTFILE" != local ]; then
   export DS_ENV_FILE="$OUTPUT/deepspeed_env"
-  "$PYTHON" -m truneg.hostfile "$HOSTFILE" --env-file "$DS_ENV_FILE" --gpu-arch "$GPU_ARCH"  # each rank checks its GPU
+  written=(--env-file "$DS_ENV_FILE" --launcher-args="${LAUNCHER_ARGS:-}")  # its launcher decides PATH
+  # each rank checks its GPU against GPU=... (a check PREFLIGHT=0 skips, as the preflight)
+  if [ "${PREFLIGHT:-1}" != 0 ]; then written+=(--gpu-arch "$GPU_ARCH"); fi
+  "$PYTHON" -m truneg.hostfile "$HOSTFILE" "${written[@]}"
 fi
 
 absolute() {  # a path as seen from here, for every node (DeepSpeed's runner cds to this folder there, and
@@ -80,15 +92,6 @@ continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's cont
 }
 
 launch() {
-  # LAUNCHER_ARGS split as a shell splits it, so a quoted value stays one word (--launcher_args "--mca
-  # btl_tcp_if_include ib0"); Python's shlex re-quotes each word, so nothing in it runs or expands here.
-  local launcher_args=() quoted
-  if [ -n "${LAUNCHER_ARGS:-}" ]; then
-    quoted="$("$PYTHON" -c 'import shlex, sys; print(" ".join(map(shlex.quote, shlex.split(sys.argv[1]))))' \
-      "$LAUNCHER_ARGS" 2>/dev/null)" || {
-      echo "truneg: error: LAUNCHER_ARGS=$LAUNCHER_ARGS has an unclosed quote; quote it as in a shell" >&2; exit 2; }
-    eval "launcher_args=($quoted)"
-  fi
   if [ "${PREFLIGHT:-1}" != 0 ]; then
     local checked=(--gpu-arch "$GPU_ARCH")  # local: this machine's GPUs, as deepspeed counts them
     if [ "$HOSTFILE" != local ]; then checked+=(--hostfile "$HOSTFILE"); fi

@@ -82,20 +82,25 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    for name in ("HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    for name in os.environ:  # what the machine running the tests may set (a GPU node, a Slurm job)
+        if name.startswith(("NCCL_", "TORCH_NCCL_")) or name in ("HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR",
+                                                                 "MASTER_PORT", "CUDA_HOME", "DS_ENV_FILE"):
+            monkeypatch.delenv(name)
     monkeypatch.setenv("TRUNEG_CACHE", "/scratch/tok")
     monkeypatch.setenv("MASTER_ADDR", "node-01")
     monkeypatch.setenv("PATH", "/usr/bin:/opt/my tools:/bin")
     (tmp_path / ".deepspeed_env").write_text("HF_HOME=/shared/hf\nNLTK_DATA=/shared/nltk\nTRUNEG_CACHE=/old\n")
     hosts = tmp_path / "hosts"
     hosts.write_text("node-01 slots=8 max_slots=8  # the first\nnode-02 slots=8\n")
-    hostfile.main([str(hosts), "--env-file", str(tmp_path / "run" / "deepspeed_env")])
+    hostfile.main([str(hosts), "--env-file", str(tmp_path / "run" / "deepspeed_env"), "--launcher-args=--launcher openmpi"])
     written = dict(line.split("=", 1) for line in (tmp_path / "run" / "deepspeed_env").read_text().splitlines())
     venv_bin = f"{sys.prefix}/bin"
     assert written == {"TRUNEG_CACHE": "/scratch/tok", "HF_HOME": "/shared/hf", "NLTK_DATA": "/shared/nltk",
                        "TORCH_EXTENSIONS_DIR": hostfile.launch_env()["TORCH_EXTENSIONS_DIR"],  # the default
                        "MASTER_ADDR": "node-01", "PATH": f"{venv_bin}:/usr/bin:/bin"}  # an entry with a space left out
+    # over pdsh (the default) each node keeps its own PATH: the venv is activated there
+    hostfile.main([str(hosts), "--env-file", str(tmp_path / "pdsh_env")])
+    assert "PATH" not in dict(line.split("=", 1) for line in (tmp_path / "pdsh_env").read_text().splitlines())
     assert hostfile.check_hostfile(hosts) == {"node-01": 8, "node-02": 8}  # Open MPI's max_slots and a comment
     # --check-ssh goes where deepspeed's own ssh goes: its --ssh_port
     calls = []
@@ -107,7 +112,8 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     stub = tmp_path / "deepspeed"
     stub.write_text('#!/bin/sh\necho "DS_ENV_FILE=$DS_ENV_FILE"\necho "$@"\n')
     stub.chmod(0o755)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "TORCH_NCCL_", "CUDA_HOME"))},
+    env = {**{k: v for k, v in os.environ.items()
+              if not k.startswith(("NCCL_", "TORCH_NCCL_", "CUDA_HOME", "MASTER_ADDR", "MASTER_PORT", "DS_ENV_FILE"))},
            "DEEPSPEED": str(stub), "PREFLIGHT": "0", "DATA": str(tmp_path), "HOME": str(tmp_path), "PYTHON": sys.executable}
     missing = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], env=env, capture_output=True, text=True)
     assert missing.returncode != 0 and "OUTPUT" in missing.stderr
@@ -119,8 +125,7 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     assert f"--output-dir {out} " in done.stdout and "electra_small_v100_fp16_zero2.json" in done.stdout
     assert "--seed 3" in done.stdout and f"--hostfile {REPO}/launch/hosts" in done.stdout
     keys = [line.split("=", 1)[0] for line in (out / "deepspeed_env").read_text().splitlines()]
-    assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR", "PATH", "TRUNEG_GPU_ARCH"]
-    assert "TRUNEG_GPU_ARCH=sm70\n" in (out / "deepspeed_env").read_text()  # GPU=v100, the default
+    assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR"]  # PREFLIGHT=0: no GPU check
     # every recipe: its model, sequence length and config for the GPU, INIT where it continues, COMPILE=1
     expect = {"bert_base.sh": ("bert-base", 512, "bert_base_continued_a100_bf16_zero1.json"),
               "bert_large.sh": ("bert-large", 512, "bert_large_continued_a100_bf16_zero1.json"),
@@ -164,6 +169,8 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
         preflight_line = next(line for line in proc.stdout.splitlines() if line.startswith("PREFLIGHT"))
         assert expected in preflight_line, preflight_line
         assert ("--hostfile" in preflight_line) == ("HOSTFILE" not in extra), preflight_line
+    # with the preflight on, each rank checks its GPU against GPU=... (v100, the default): the env file says it
+    assert "TRUNEG_GPU_ARCH=sm70\n" in (out / "deepspeed_env").read_text()
     # LAUNCHER_ARGS split as a shell splits it: a quoted value reaches deepspeed as one word; nothing in it runs
     words = tmp_path / "deepspeed_words"
     words.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
@@ -229,11 +236,23 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     assert preflight.run(glob) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 2 and "pdsh is not installed" in errors[0] and "is a glob" in errors[1]
-    # the openmpi and slurm runners pass arguments on through no shell, but set no MASTER_ADDR (mpi4py: none here)
+    # the openmpi and slurm runners pass arguments on through no shell, but set no MASTER_ADDR: it must come
+    # from this shell (the scripts' env file carries it), an env file deepspeed reads, or the launcher's options
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real_find_spec(name, *a))
     monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("DS_ENV_FILE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
     assert preflight.run([*glob, "--launcher", "openmpi"]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "deepspeed's openmpi launcher gives the ranks no MASTER_ADDR: export MASTER_ADDR=" in line, line
+    assert preflight.run([*glob, "--launcher-args=--launcher openmpi --launcher_args '-x MASTER_ADDR=node-01'"]) == 0
+    (tmp_path / ".deepspeed_env").write_text("MASTER_ADDR=node-01\n")
+    assert preflight.run([*glob, "--launcher", "openmpi"]) == 0
+    (tmp_path / ".deepspeed_env").unlink()
     monkeypatch.setenv("MASTER_ADDR", "node-01")
     assert preflight.run([*glob, "--launcher", "openmpi"]) == 0
     assert preflight.run([*glob, "--launcher-args=--launcher=slurm"]) == 0  # LAUNCHER_ARGS, as the scripts pass it

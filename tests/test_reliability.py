@@ -216,7 +216,7 @@ def test_fp16_at_zero_stage_0_steps_as_fp32_does(tmp_path, launch_env):
     expected = torch.tensor(steps["scaled"]["expected"])
     assert steps["scaled"]["optimizer"] == "FP16_UnfusedOptimizer" and steps["scaled"]["skipped"] == 0
     assert torch.allclose(torch.tensor(steps["scaled"]["step"]), expected, rtol=2e-2, atol=1e-3)
-    assert torch.tensor(steps["unscaled"]["step"]).abs().max() < 1e-3 * expected.abs().max()
+    assert torch.tensor(steps["unscaled"]["step"]).abs().max() < 1e-2 * expected.abs().max()
     # a DeepSpeed not known to leave it unscaled might scale it too: fp16 at ZeRO-0 is refused there
     from truneg import preflight
 
@@ -226,9 +226,9 @@ def test_fp16_at_zero_stage_0_steps_as_fp32_does(tmp_path, launch_env):
 
     real = importlib.metadata.version
     try:
-        importlib.metadata.version = lambda name: "0.20.1" if name == "deepspeed" else real(name)
+        importlib.metadata.version = lambda name: "0.19.9" if name == "deepspeed" else real(name)
         said = preflight.check_fp16_loss_scaling(config)
-        assert said.startswith("fp16 at ZeRO stage 0 with deepspeed 0.20.1: truneg scales the loss itself"), said
+        assert said.startswith("fp16 at ZeRO stage 0 with deepspeed 0.19.9: truneg scales the loss itself"), said
         assert preflight.check_fp16_loss_scaling({**config, "zero_optimization": {"stage": 2}}) is None
     finally:
         importlib.metadata.version = real

@@ -21,8 +21,9 @@ MONITORS = {"tensorboard": "tensorboard", "csv_monitor": "csv", "wandb": None, "
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores. Below it (V100, sm_70) bf16 is only emulated.
 # DeepSpeed versions whose engine.backward leaves the loss unscaled for fp16 at ZeRO stage 0 while the step
 # divides the gradients by the loss scale (deepspeedai/DeepSpeed#8393): truneg.loop scales it itself there.
-# Another version may scale it too (twice, then): the start refuses fp16 at ZeRO-0 until it is checked here.
-FP16_ZERO0_UNSCALED_DEEPSPEED = ("0.19.",)
+# Another version (even a 0.19.x: the fix is a pull request) may scale it too, twice then: the start refuses
+# fp16 at ZeRO-0 on a version not listed here until its engine.backward is read and the version added.
+FP16_ZERO0_UNSCALED_DEEPSPEED = ("0.19.8",)
 
 # (preset, continued from a checkpoint) -> recipe stem; the hardware picks `<stem>_v100_fp16_zero2` or
 # `<stem>_a100_bf16_zero1` (ZeRO-1: 1.7x ZeRO-2's samples/s for BERT-large on one H200, README "GPU check").

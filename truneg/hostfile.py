@@ -79,18 +79,20 @@ def launch_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
-def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | None = None) -> dict[str, str]:
+def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | None = None,
+                  launcher: str = "pdsh") -> dict[str, str]:
     """What this shell sets that the ranks on other nodes need and DeepSpeed does not forward:
     - its NCCL settings (DeepSpeed forwards them only from a node with a GPU; the wrappers may launch from
       one without) and CUDA_HOME (nvcc for the fused optimizers' JIT builds on each node);
     - MASTER_ADDR and MASTER_PORT, for the openmpi, mvapich and slurm runners, which set none: a rank
       without them would go to MPI discovery while the ranks with them would not, and wait there;
-    - PATH with the venv's bin first (ninja for the JIT builds): only the pdsh runner activates the venv
-      (--venv_script). Entries the remote shell would split or expand are left out."""
+    - for those runners, PATH with the venv's bin first (ninja for the JIT builds): only the pdsh runner
+      activates the venv (--venv_script), and there each node keeps its own PATH. Entries the remote shell
+      would split or expand are left out."""
     environ = dict(os.environ if environ is None else environ)
     names = ("CUDA_HOME", "MASTER_ADDR", "MASTER_PORT")
     forwarded = {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARDED_PREFIXES) or k in names}
-    if "PATH" in environ:
+    if launcher != "pdsh" and "PATH" in environ:
         venv_bin = str(venv_bin or Path(sys.prefix) / "bin")
         entries = [venv_bin] + [e for e in environ["PATH"].split(os.pathsep) if e and e != venv_bin]
         forwarded["PATH"] = os.pathsep.join(e for e in entries if not UNSAFE_VALUE.search(e))
@@ -111,6 +113,15 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
+def deepspeed_env_files(environ: dict[str, str] | None = None) -> list[Path]:
+    """The env files DeepSpeed's runner reads, as it finds them: DS_ENV_FILE (default .deepspeed_env) in the
+    home folder, then in the current one (an absolute DS_ENV_FILE is both)."""
+    environ = dict(os.environ if environ is None else environ)
+    name = environ.get("DS_ENV_FILE", ".deepspeed_env")
+    home = Path(environ.get("HOME") or Path.home())
+    return list(dict.fromkeys(folder / name for folder in (home, Path.cwd())))
+
+
 def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Path] | None = None,
                    forwarded: dict[str, str] | None = None, defaults: dict[str, str] | None = None) -> dict[str, str]:
     """Write `NAME=value` lines DeepSpeed's launcher reads (DS_ENV_FILE), each over the ones before:
@@ -119,7 +130,7 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
     then `values` (what this shell sets). Returns what was written."""
     path = Path(path)
     if carry_over is None:
-        carry_over = [Path.home() / ".deepspeed_env", Path.cwd() / ".deepspeed_env"]
+        carry_over = deepspeed_env_files({k: v for k, v in os.environ.items() if k != "DS_ENV_FILE"})
     merged: dict[str, str] = {**(defaults or {}), **(forwarded or {})}
     for extra in carry_over:
         if extra.is_file() and extra.resolve() != path.resolve():
@@ -140,8 +151,22 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
 NO_MASTER_ADDR_LAUNCHERS = ("openmpi", "mvapich", "slurm")
 
 
-def check_multi_node_launch(train_data: list[str], launcher: str,
-                            environ: dict[str, str] | None = None) -> list[str]:
+def _sets_master_addr(environ: dict[str, str], launcher_args: str) -> bool:
+    """Whether every rank gets a MASTER_ADDR: from this shell (the launch scripts write it into the env
+    file), an env file DeepSpeed reads, or the launcher's own options (`-x MASTER_ADDR=...`)."""
+    if "MASTER_ADDR" in environ or "MASTER_ADDR" in launcher_args:
+        return True
+    for path in deepspeed_env_files(environ):
+        try:
+            if path.is_file() and "MASTER_ADDR" in _read_env_file(path):
+                return True
+        except UserError:
+            continue  # DeepSpeed would stumble on the file itself; not this check's to say
+    return False
+
+
+def check_multi_node_launch(train_data: list[str], launcher: str, environ: dict[str, str] | None = None,
+                            launcher_args: str = "") -> list[str]:
     """What a launch over several nodes trips on before its first step. The openmpi, mvapich and slurm runners
     set no MASTER_ADDR: without one (or mpi4py, for DeepSpeed's MPI discovery) every rank stops at start-up.
     Over pdsh (DeepSpeed's default): pdsh itself (there is no ssh fallback), and a glob: pdsh hands each
@@ -150,7 +175,7 @@ def check_multi_node_launch(train_data: list[str], launcher: str,
     import importlib.util
 
     environ = dict(os.environ if environ is None else environ)
-    if launcher in NO_MASTER_ADDR_LAUNCHERS and "MASTER_ADDR" not in environ \
+    if launcher in NO_MASTER_ADDR_LAUNCHERS and not _sets_master_addr(environ, launcher_args) \
             and importlib.util.find_spec("mpi4py") is None:
         return [f"deepspeed's {launcher} launcher gives the ranks no MASTER_ADDR: export MASTER_ADDR=<the first node's "
                 "address> (and MASTER_PORT, default 29500) here, which the launch scripts' env file carries to every "
@@ -242,7 +267,8 @@ def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: st
     try:
         if runner_class is not None:
             runner_class.validate_active_resources(active)
-            if len([slots for slots in active.values() if slots]) > 1:  # deepspeed builds a runner only then
+            hosts_left = len([slots for slots in active.values() if slots])
+            if (options.force_multi or hosts_left > 1) and not options.no_ssh:  # deepspeed builds a runner only then
                 probe = runner_class.__new__(runner_class)
                 probe.args = options
                 probe.validate_args()
@@ -258,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("hostfile")
     parser.add_argument("--env-file", type=Path, help="write the launch env file here (export DS_ENV_FILE=it)")
     parser.add_argument("--gpu-arch", help="the nodes' GPUs (sm70, sm80, sm90), for each rank to check its own against")
+    parser.add_argument("--launcher-args", default="", help="the options given to deepspeed (its --launcher)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     pool = check_hostfile(args.hostfile)
     if args.env_file:
@@ -267,7 +294,9 @@ def main(argv: list[str] | None = None) -> None:
         values = {k: v for k, v in os.environ.items() if k in defaults and v}
         if args.gpu_arch:
             values[GPU_ARCH_ENV] = args.gpu_arch
-        written = write_env_file(args.env_file, values, defaults=defaults, forwarded=forwarded_env())
+        # deepspeed's default launcher without options (its parser costs an import of deepspeed)
+        launcher = launcher_options(args.launcher_args).launcher.lower() if args.launcher_args.strip() else "pdsh"
+        written = write_env_file(args.env_file, values, defaults=defaults, forwarded=forwarded_env(launcher=launcher))
         print(f"{args.env_file}: " + " ".join(f"{k}={v}" for k, v in written.items()))
     else:
         print(f"{args.hostfile}: {len(pool)} nodes, {sum(pool.values())} slots: " + ", ".join(f"{h}={s}" for h, s in pool.items()))

@@ -181,12 +181,12 @@ def check_fp16_loss_scaling(config: dict) -> str | None:
 
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
     installed = version("deepspeed")
-    if ds_config.precision_of(config) != "fp16" or stage != 0 or installed.startswith(ds_config.FP16_ZERO0_UNSCALED_DEEPSPEED):
+    known = ds_config.FP16_ZERO0_UNSCALED_DEEPSPEED
+    if ds_config.precision_of(config) != "fp16" or stage != 0 or installed.split("+")[0] in known:
         return None
-    known = ", ".join(f"{v}x" for v in ds_config.FP16_ZERO0_UNSCALED_DEEPSPEED)
-    return (f"fp16 at ZeRO stage 0 with deepspeed {installed}: truneg scales the loss itself for deepspeed {known}, "
-            "whose engine.backward does not there (deepspeedai/DeepSpeed#8393), and this one may scale it again; "
-            f"install deepspeed {known}, or use a config with ZeRO stage >= 1 or bf16")
+    return (f"fp16 at ZeRO stage 0 with deepspeed {installed}: truneg scales the loss itself for deepspeed "
+            f"{', '.join(known)}, whose engine.backward does not there (deepspeedai/DeepSpeed#8393), and this one may "
+            f"scale it again; install deepspeed=={known[-1]}, or use a config with ZeRO stage >= 1 or bf16")
 
 
 def _check_output_dir(output_dir: Path, nodes: int) -> list[str]:
@@ -228,7 +228,8 @@ def start_problems(args: argparse.Namespace, config: dict, world_size: int, capa
     capability = _capability(capability)
     problems = []
     told = os.environ.get(GPU_ARCH_ENV)
-    if told in GPU_ARCHS and capability is not None and GPU_ARCHS[told][0] != capability[0]:
+    known = {major for major, _ in GPU_ARCHS.values()}  # a newer GPU (sm_100, ...) has no GPU=... to match
+    if told in GPU_ARCHS and capability is not None and capability[0] in known and GPU_ARCHS[told][0] != capability[0]:
         problems.append(f"the launch scripts' GPU=... says {told} ({GPU_ARCH_ENV}) but this node's GPU is "
                         f"sm_{capability[0]}{capability[1]}: set GPU to this cluster's GPUs (v100, a100, h100, h200)")
     optimizer = check_optimizer(config)
@@ -354,7 +355,7 @@ def run(argv: list[str] | None = None) -> int:
     if config is not None:
         problems += start_problems(args, config, world_size, capability, nodes=max(len(hosts), 1))
     if len(hosts) > 1:
-        problems += check_multi_node_launch(args.train_data, launcher)
+        problems += check_multi_node_launch(args.train_data, launcher, launcher_args=args.launcher_args)
     if args.check_ssh and hosts:
         try:
             port = launcher_options(args.launcher_args).ssh_port
