@@ -222,9 +222,10 @@ def start_problems(args: argparse.Namespace, config: dict, world_size: int, capa
                 nodes: int = 1) -> list[str]:
     """Every problem that would stop (or silently spoil) the run, one line each; [] when it can start.
 
-    Pure checks, no process group: the optimizer against the ZeRO stage, the precision and the torch
-    build against the GPU (capability as in resolve_config), the output folder (shared when nodes > 1)
-    and the corpus. `config` is resolve_config's."""
+    Pure checks, no process group: the launch scripts' GPU=... (TRUNEG_GPU_ARCH) against this GPU, the
+    optimizer against the ZeRO stage, the precision and the torch build against the GPU (capability as in
+    resolve_config), fp16 ZeRO-0's loss scaling against the DeepSpeed version, the output folder (shared
+    when nodes > 1) and the corpus. `config` is resolve_config's."""
     capability = _capability(capability)
     problems = []
     told = os.environ.get(GPU_ARCH_ENV)
