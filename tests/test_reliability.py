@@ -199,7 +199,7 @@ print(json.dumps({"optimizer": type(engine.optimizer).__name__, "skipped": engin
 """
 
 
-def test_fp16_at_zero_stage_0_steps_as_fp32_does(tmp_path, launch_env):
+def test_fp16_at_zero_stage_0_steps_as_fp32_does(tmp_path, launch_env, monkeypatch):
     """DeepSpeed 0.19's engine.backward leaves the loss unscaled for fp16 at ZeRO-0, where its fp16 optimizer
     (the LAMB recipe's) divides the gradients by the loss scale (deepspeedai/DeepSpeed#8393): train_step
     scales the loss itself. DeepSpeed's own FP16_UnfusedOptimizer, on the CPU, one SGD step against fp32's.
@@ -218,20 +218,17 @@ def test_fp16_at_zero_stage_0_steps_as_fp32_does(tmp_path, launch_env):
     assert torch.allclose(torch.tensor(steps["scaled"]["step"]), expected, rtol=2e-2, atol=1e-3)
     assert torch.tensor(steps["unscaled"]["step"]).abs().max() < 1e-2 * expected.abs().max()
     # a DeepSpeed not known to leave it unscaled might scale it too: fp16 at ZeRO-0 is refused there
+    import importlib.metadata
+
     from truneg import preflight
 
     config = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}
     assert preflight.check_fp16_loss_scaling(config) is None
-    import importlib.metadata
-
     real = importlib.metadata.version
-    try:
-        importlib.metadata.version = lambda name: "0.19.9" if name == "deepspeed" else real(name)
-        said = preflight.check_fp16_loss_scaling(config)
-        assert said.startswith("fp16 at ZeRO stage 0 with deepspeed 0.19.9: truneg scales the loss itself"), said
-        assert preflight.check_fp16_loss_scaling({**config, "zero_optimization": {"stage": 2}}) is None
-    finally:
-        importlib.metadata.version = real
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.9" if name == "deepspeed" else real(name))
+    said = preflight.check_fp16_loss_scaling(config)
+    assert said.startswith("fp16 at ZeRO stage 0 with deepspeed 0.19.9: truneg scales the loss itself"), said
+    assert preflight.check_fp16_loss_scaling({**config, "zero_optimization": {"stage": 2}}) is None
 
 
 def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path, launch_env, small_corpus):
