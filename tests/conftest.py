@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,12 +41,34 @@ def launch_env(tmp_path_factory) -> dict:
     return env
 
 
+def shared_tmp(tmp_path_factory) -> Path:
+    """This pytest session's folder for what every test process shares: under pytest-xdist (`make test` runs
+    2 workers) the folder the workers' own temp folders sit in, else the session's temp folder."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive lock on `path` (created), held for the block: one worker makes a shared file, the other waits."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> Path:
-    """About 60 KB of the shipped public-domain novel: enough for a few hundred 64-token blocks."""
-    text = (REPO / "truneg" / "assets" / "corpus" / "austen_pride_and_prejudice.txt").read_text(encoding="utf-8")
-    path = tmp_path_factory.mktemp("corpus") / "pride.txt"
-    path.write_text(text[:60_000], encoding="utf-8")
+    """About 60 KB of the shipped public-domain novel: enough for a few hundred 64-token blocks. One file for
+    all workers: a reference run records its corpus, and a test in the other worker resumes a copy of it."""
+    path = shared_tmp(tmp_path_factory) / "corpus" / "pride.txt"
+    with locked(shared_tmp(tmp_path_factory) / "corpus.lock"):
+        if not path.is_file():
+            text = (REPO / "truneg" / "assets" / "corpus" / "austen_pride_and_prejudice.txt").read_text(encoding="utf-8")
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text[:60_000], encoding="utf-8")
     return path
 
 
@@ -122,14 +146,21 @@ def train_args(case: str, out: Path, corpus: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, launch_env, small_corpus):
-    """Each case trained once by 2 ranks without interruption (lazily, shared by the tests)."""
+    """Each case trained once by 2 ranks without interruption (lazily, shared by the tests of every worker, who
+    only read its folder: a test that changes a run works on a copy)."""
+    root = shared_tmp(tmp_path_factory)
     cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
 
     def get(case: str):
         if case not in cache:
-            out = tmp_path_factory.mktemp(f"ref-{case}")
-            proc = run(deepspeed_cmd(*train_args(case, out, small_corpus), port=free_port()), launch_env)
-            cache[case] = (out, proc)
+            out, record = root / f"ref-{case}", root / f"ref-{case}.json"
+            with locked(root / f"ref-{case}.lock"):
+                if not record.is_file():
+                    shutil.rmtree(out, ignore_errors=True)  # a launch that failed in the other worker
+                    proc = run(deepspeed_cmd(*train_args(case, out, small_corpus), port=free_port()), launch_env)
+                    record.write_text(json.dumps({"args": proc.args, "stdout": proc.stdout, "stderr": proc.stderr}))
+            launched = json.loads(record.read_text())
+            cache[case] = (out, subprocess.CompletedProcess(launched["args"], 0, launched["stdout"], launched["stderr"]))
         return cache[case]
 
     return get
@@ -137,6 +168,27 @@ def runs(tmp_path_factory, launch_env, small_corpus):
 
 def comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def mid_run_copy(reference_dir: Path, out: Path) -> int:
+    """The reference run's folder copied to `out` as it stood at its last checkpoint but one (step 16); that step."""
+    shutil.copytree(reference_dir, out)
+    resumed_from = MAX_STEPS - SAVE_STEPS
+    (out / "checkpoints" / "latest").write_text(f"global_step{resumed_from}")
+    shutil.rmtree(out / "checkpoints" / f"global_step{MAX_STEPS}")
+    return resumed_from
+
+
+def assert_resumed_as_the_reference(stdout: str, out: Path, resumed_from: int, reference: list[dict]) -> None:
+    """A run in `out` resumed at `resumed_from`, and the whole run's records (those it kept and those it wrote)
+    equal the uninterrupted reference's."""
+    assert f"resumed from {out / 'checkpoints'} at step {resumed_from}" in stdout
+    # this process trained the steps after it (the folder may hold the killed run's records of them)
+    assert f"done, {MAX_STEPS - resumed_from} steps" in stdout
+    assert f"step {MAX_STEPS}/{MAX_STEPS}  loss {reference[-1]['loss']:.4f}" in stdout
+    after = comparable(read_metrics(out))
+    assert [r["step"] for r in after] == list(range(1, MAX_STEPS + 1))
+    assert after == reference  # every loss, ratio and lr, bitwise (JSON keeps full float precision)
 
 
 

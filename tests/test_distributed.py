@@ -9,7 +9,17 @@ import sys
 import types
 
 import pytest
-from conftest import REPO, cli_in_process, comparable, free_port, read_metrics, train_args
+from conftest import (
+    REPO,
+    assert_resumed_as_the_reference,
+    cli_in_process,
+    comparable,
+    free_port,
+    mid_run_copy,
+    read_metrics,
+    shm_allreduce_buffers,
+    train_args,
+)
 
 from truneg import distributed
 from truneg.errors import UserError
@@ -106,15 +116,19 @@ def test_each_gpu_process_is_bound_to_its_own_device_before_the_first_collective
     assert distributed.init_distributed() == (3, 4) and calls[0] == ("init", None, True)
 
 
-def test_a_run_started_the_way_mpirun_starts_it_trains_as_the_deepspeed_launcher_does(launch_env, runs, small_corpus,
-                                                                                      tmp_path):
+def test_two_processes_started_as_mpirun_starts_them_resume_as_the_deepspeed_launchers_run(launch_env, runs,
+                                                                                          small_corpus, tmp_path):
     """DeepSpeed's openmpi runner starts `python -u pretrain.py ARGS` on every slot with only Open MPI's
-    variables. Two such processes must form one world of 2, and train bitwise as the deepspeed launcher's run."""
-    ref_out, _ = runs("bert-zero2")
+    variables. Two such processes must form one world of 2, load the 2 ranks' shards of the reference's step-16
+    checkpoint (which the deepspeed launcher's ranks wrote) and train steps 17-24 bitwise as that run did; here
+    with masking in a DataLoader worker, where the reference masked inline."""
+    reference_dir, _ = runs("bert-zero2")
+    reference = comparable(read_metrics(reference_dir))
     out, port = tmp_path / "mpirun", free_port()
+    resumed_from = mid_run_copy(reference_dir, out)
     env = {k: v for k, v in launch_env.items() if k not in LAUNCH_VARS}
     procs = [subprocess.Popen([sys.executable, "-u", str(REPO / "truneg" / "pretrain.py"),
-                               *train_args("bert-zero2", out, small_corpus)], cwd=REPO, text=True,
+                               *train_args("bert-zero2", out, small_corpus), "--data-workers", "1"], cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env={**env, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank),
                                    "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
@@ -123,7 +137,8 @@ def test_a_run_started_the_way_mpirun_starts_it_trains_as_the_deepspeed_launcher
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "x 2 ranks" in outputs[0]
-    assert comparable(read_metrics(out)) == comparable(read_metrics(ref_out))
+    assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference)
+    assert shm_allreduce_buffers(port) == []  # DeepSpeed's CPU allreduce buffers in /dev/shm: none left behind
 
 
 def test_the_cli_takes_the_local_rank_the_deepspeed_launcher_adds(tmp_path):

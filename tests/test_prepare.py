@@ -280,7 +280,13 @@ def novels(tmp_path_factory) -> Path:
     return folder
 
 
-def test_prepare_killed_by_signal_resumes_to_the_same_shards(tmp_path, novels, tokenizer, launch_env):
+@pytest.fixture(scope="module")
+def novels_prepared(novels, tokenizer, tmp_path_factory) -> Path:
+    """The novels prepared in this process without interruption: what a killed and resumed preparation must equal."""
+    return prepare.prepare(str(novels), tokenizer, 128, tmp_path_factory.mktemp("whole"), 1, progress=False)
+
+
+def test_prepare_killed_by_signal_resumes_to_the_same_shards(tmp_path, novels, novels_prepared, launch_env):
     """A real `truneg prepare` (2 processes) killed with SIGKILL mid-way, run again: the shards equal an
     uninterrupted preparation's, and the shards committed before the kill are kept, not redone."""
     out = tmp_path / "out"
@@ -290,13 +296,13 @@ def test_prepare_killed_by_signal_resumes_to_the_same_shards(tmp_path, novels, t
     assert committed and not (out / "index.json").exists()
     kept = {name: (out / "shards" / name).stat().st_mtime_ns for name in committed}
     subprocess.run(cmd, env=launch_env, check=True, capture_output=True)
-    whole = prepare.prepare(str(novels), tokenizer, 128, tmp_path / "whole", 1, progress=False)
-    assert shard_bytes(out) == shard_bytes(whole) and len(shard_bytes(out)) > len(committed)
+    assert shard_bytes(out) == shard_bytes(novels_prepared) and len(shard_bytes(out)) > len(committed)
     assert {name: (out / "shards" / name).stat().st_mtime_ns for name in committed} == kept
-    assert open_prepared(out).fingerprint == open_prepared(whole).fingerprint
+    assert open_prepared(out).fingerprint == open_prepared(novels_prepared).fingerprint
 
 
-def test_killed_automatic_preparation_is_taken_over_by_the_next_launch(tmp_path, novels, tokenizer, launch_env):
+def test_killed_automatic_preparation_is_taken_over_by_the_next_launch(tmp_path, novels, novels_prepared, tokenizer,
+                                                                      launch_env):
     """A training launch killed while its local rank 0 prepares the corpus into the cache leaves its private
     folder; the next launch on that host continues it (committed shards kept) and leaves no folder behind."""
     from truneg.data import ensure_prepared
@@ -312,5 +318,4 @@ def test_killed_automatic_preparation_is_taken_over_by_the_next_launch(tmp_path,
     folder = ensure_prepared([str(novels)], tokenizer, 128, cache, 1)
     assert [p.name for p in folder.parent.iterdir()] == [folder.name], "the killed launch's folder is taken over"
     assert {name: (folder / "shards" / name).stat().st_mtime_ns for name in committed} == kept
-    whole = prepare.prepare(str(novels), tokenizer, 128, tmp_path / "whole", 1, progress=False)
-    assert shard_bytes(folder) == shard_bytes(whole)
+    assert shard_bytes(folder) == shard_bytes(novels_prepared)

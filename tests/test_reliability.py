@@ -442,8 +442,8 @@ def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launc
 
 
 def test_a_failed_rank_exit_code_passes_through_the_launchers(tmp_path, launch_env):
-    proc = run(deepspeed_cmd("--model", "gpt-9", port=free_port()), launch_env, check=False)
-    assert proc.returncode == 2 and "unknown model preset" in proc.stderr + proc.stdout
+    """A launch script, through the deepspeed runner and DeepSpeed's per-node launcher, exits with the ranks' 2.
+    (The deepspeed launcher alone: test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line.)"""
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=1\n")
     script = subprocess.run(
