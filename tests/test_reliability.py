@@ -249,6 +249,20 @@ def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path
     assert "Traceback" not in proc.stderr and (out / "checkpoints" / "latest").read_text() == "global_step16"
 
 
+def test_a_gpu_checkpoints_rng_states_load_on_a_cpu_rank():
+    """A checkpoint written on GPUs holds the CUDA generator's state (16 bytes: seed and offset) beside the host's;
+    a CPU rank restores the host's generators and leaves the CUDA one out."""
+    from truneg import checkpoint
+
+    torch.manual_seed(3)
+    state = checkpoint.rng_state()
+    expected = torch.rand(4)
+    state["accelerator"] = torch.zeros(16, dtype=torch.uint8)
+    torch.manual_seed(5)
+    checkpoint.set_rng_state(state)
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path):
     """--resume of an older tag rolls the run back; its next save of the newer step clears the old folder (and a
     leftover of a kill during an earlier removal), but `latest` goes back to the newest complete tag first, so a

@@ -102,12 +102,14 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """The states `rng_state` saved. A GPU checkpoint's accelerator state is left out on CPU ranks (the run goes
+    on, not bitwise): DeepSpeed's CPU accelerator would load it into torch's CPU generator, which refuses it."""
     from deepspeed.accelerator import get_accelerator
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "accelerator" in state:
+    if "accelerator" in state and get_accelerator().device_name() != "cpu":
         get_accelerator().set_rng_state(state["accelerator"])
 
 
