@@ -191,8 +191,6 @@ def assert_resumed_as_the_reference(stdout: str, out: Path, resumed_from: int, r
     assert after == reference  # every loss, ratio and lr, bitwise (JSON keeps full float precision)
 
 
-
-
 def positions_from_labels(labels, max_predictions: int | None = None) -> tuple:
     """(masked_positions, masked_valid) of an MLM `labels` tensor (-100 where not masked): for tests that
     write HF-style labels. Runs on the host (it sorts a boolean mask)."""
