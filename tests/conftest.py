@@ -63,8 +63,9 @@ def locked(path: Path):
 def small_corpus(tmp_path_factory) -> Path:
     """About 60 KB of the shipped public-domain novel: enough for a few hundred 64-token blocks. One file for
     all workers: a reference run records its corpus, and a test in the other worker resumes a copy of it."""
-    path = shared_tmp(tmp_path_factory) / "corpus" / "pride.txt"
-    with locked(shared_tmp(tmp_path_factory) / "corpus.lock"):
+    root = shared_tmp(tmp_path_factory)
+    path = root / "corpus" / "pride.txt"
+    with locked(root / "corpus.lock"):
         if not path.is_file():
             text = (REPO / "truneg" / "assets" / "corpus" / "austen_pride_and_prejudice.txt").read_text(encoding="utf-8")
             path.parent.mkdir(exist_ok=True)

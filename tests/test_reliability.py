@@ -22,6 +22,7 @@ from conftest import (
     deepspeed_cmd,
     free_port,
     kill_group,
+    mid_run_copy,
     read_metrics,
     run,
     start,
@@ -237,9 +238,7 @@ def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path
     nodes they would wait in their next collective until the timeout. `latest` still names the last good tag."""
     reference_dir, _ = runs("bert-zero2")
     out = tmp_path / "run"
-    shutil.copytree(reference_dir, out)
-    (out / "checkpoints" / "latest").write_text("global_step16")
-    shutil.rmtree(out / "checkpoints" / "global_step24")
+    mid_run_copy(reference_dir, out)  # at step 16: its save of step 24 fails
     (out / "checkpoints" / "latest.tmp").mkdir()
     proc = run(deepspeed_cmd(*train_args("bert-zero2", out, small_corpus), port=free_port()), launch_env, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
