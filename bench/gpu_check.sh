@@ -90,11 +90,8 @@ PYEOF
   note "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | head -2)"
   note "nvcc: $( (nvcc --version || "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version) 2>&1 | grep -i release || echo 'not found: the fused optimizers cannot build')"
 fi
-timeout 60 "$PY" bench/gpu_check.py info --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1
-note "info: $(status $?)"
-
 # The fused optimizers (FusedAdam for the AdamW configs, FusedLamb for the LAMB one) build just in time with
-# this machine's nvcc; start both now so that stage 1 finds them built or under way.
+# this machine's nvcc; start both first (before `info`) so that stage 1 finds them built or under way.
 BUILDS=()
 if [ $DRY = 0 ]; then
   # This GPU's plain major.minor: DeepSpeed's op builder cannot parse an image's "9.0a" (see truneg.distributed)
@@ -103,12 +100,17 @@ if [ $DRY = 0 ]; then
   prebuild() {
     local t0=$SECONDS
     timeout "$(left)" "$PY" -c "from deepspeed.ops.op_builder import ${1}Builder as B; B().load()" > "$WORK/build_$1.log" 2>&1
-    note "JIT build $1 (sm ${TORCH_CUDA_ARCH_LIST}): $(status $?) in $((SECONDS - t0)) s"
+    local rc=$?
+    note "JIT build $1 (sm ${TORCH_CUDA_ARCH_LIST}): $(status $rc) in $((SECONDS - t0)) s"
+    [ $rc = 0 ] || { echo "===== JIT build $1: $(status $rc)"; cat "$WORK/build_$1.log"; } >> "$LOG"  # nvcc's words
   }
   prebuild FusedAdam & BUILDS+=($!)
   case ",$STAGES," in *",1,"*) prebuild FusedLamb & BUILDS+=($!) ;; esac  # only the LAMB config takes it
 fi
 builds_done() { [ ${#BUILDS[@]} -gt 0 ] && wait "${BUILDS[@]}"; BUILDS=(); }  # before a stage that times
+
+timeout 60 "$PY" bench/gpu_check.py info --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1
+note "info: $(status $?)"
 
 run_stage() {  # run_stage N NAME DEFAULT_LIMIT_S SUBCOMMAND
   local n=$1 name=$2 sub=$4 limit_var="STAGE$1_TIMEOUT_S"
@@ -143,14 +145,18 @@ case ",$STAGES," in *",5,"*)
   else
     builds_done
     limit=${STAGE5_TIMEOUT_S:-330}; [ "$limit" -gt "$(left)" ] && limit=$(left)
-    t0=$SECONDS
-    OUT=$RESULTS timeout -s KILL "$limit" "$PY" bench/gpu_zero_stages.py --host-bound --profile > "$RESULTS/zero_stages.log" 2>&1
-    rc=$?
-    grep -E '^(RATE|MEMORY|PROFILE|RESULT) ' "$RESULTS/zero_stages.log" | sed 's/^/  /' >> "$SUMMARY"
-    case $rc in 0) result=PASS ;; 124|137) result="TIMEOUT after $limit s" ;; *) result="FAIL (exit $rc)" ;; esac
-    case $rc in 124|137) "$PY" bench/gpu_check.py locks --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1 ;; esac
-    note "stage 5 zero-stages: $result in $((SECONDS - t0)) s (its log: $RESULTS/zero_stages.log)"
-    echo "$result" > "$WORK/status.5"
+    if [ "$limit" -lt 5 ]; then  # as run_stage: `timeout 0` would set no limit at all
+      note "stage 5 zero-stages: SKIPPED (the ${BUDGET_S} s budget is spent)"; echo SKIPPED > "$WORK/status.5"
+    else
+      t0=$SECONDS
+      OUT=$RESULTS timeout -s KILL "$limit" "$PY" bench/gpu_zero_stages.py --host-bound --profile > "$RESULTS/zero_stages.log" 2>&1
+      rc=$?
+      grep -E '^(RATE|MEMORY|PROFILE|RESULT) ' "$RESULTS/zero_stages.log" | sed 's/^/  /' >> "$SUMMARY"
+      case $rc in 0) result=PASS ;; 124|137) result="TIMEOUT after $limit s" ;; *) result="FAIL (exit $rc)" ;; esac
+      case $rc in 124|137) "$PY" bench/gpu_check.py locks --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1 ;; esac
+      note "stage 5 zero-stages: $result in $((SECONDS - t0)) s (its log: $RESULTS/zero_stages.log)"
+      echo "$result" > "$WORK/status.5"
+    fi
   fi ;;
 esac
 

@@ -17,7 +17,7 @@ the same run. Prints samples/s and each one's ratio to the plain loop.
     python bench/gpu_zero_stages.py --compile-only  # ZeRO-1 and the plain loop, each with/without torch.compile
 
 Several modes named run in that order in one process (one start-up), each printing its RESULT line; a mode
-that fails prints its traceback and the next one runs.
+that fails prints its traceback and the next one runs, and the exit status is 1.
 """
 from __future__ import annotations
 
@@ -139,27 +139,29 @@ def plain_rate(compiled: bool = False, profile: bool = False, micro: int = MICRO
     from truneg.models import ObjectiveConfig, build_pretrainer
 
     tokenizer = load_tokenizer()
-    model = build_pretrainer("bert-large", ObjectiveConfig()).cuda().to(torch.bfloat16).train()
-    if compiled:
-        model.compile(dynamic=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     accum = MICRO * ACCUM // micro  # the same samples per optimizer step at any micro-batch
     rows = np.random.default_rng(0).integers(1000, 30000, (micro, 128))
     rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
-    batch = {k: v.cuda() for k, v in mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id,
-                                                  len(tokenizer), "bert", 0, 0, np.arange(micro), 20).items()}
     intervals = []  # as truneg's records: the mean step of each LOG_STEPS, the median over those after the first
-    with (profiled("plain") if profile else contextlib.nullcontext()) as prof, peak_memory(f"plain_micro{micro}"):
-        for _ in range(STEPS // LOG_STEPS):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(LOG_STEPS):
-                plain_step(model, optimizer, batch, accum)
-                if prof is not None:
-                    prof.step()
-            torch.cuda.synchronize()
-            intervals.append((time.perf_counter() - t0) / LOG_STEPS)
-    del model, optimizer
+    # the peak counts this run's weights and batch as its own, as truneg's runs do (their engine is built inside)
+    with peak_memory(f"plain_micro{micro}"):
+        model = build_pretrainer("bert-large", ObjectiveConfig()).cuda().to(torch.bfloat16).train()
+        if compiled:
+            model.compile(dynamic=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        batch = {k: v.cuda() for k, v in mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id,
+                                                      len(tokenizer), "bert", 0, 0, np.arange(micro), 20).items()}
+        with (profiled("plain") if profile else contextlib.nullcontext()) as prof:
+            for _ in range(STEPS // LOG_STEPS):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(LOG_STEPS):
+                    plain_step(model, optimizer, batch, accum)
+                    if prof is not None:
+                        prof.step()
+                torch.cuda.synchronize()
+                intervals.append((time.perf_counter() - t0) / LOG_STEPS)
+    del model, optimizer, batch
     torch.cuda.empty_cache()
     rate = micro * accum / statistics.median(intervals[1:])
     print(f"RATE plain_micro{micro}{'_compiled' if compiled else ''}{'_profiled' if profile else ''}: {rate:.1f} "
@@ -226,15 +228,20 @@ MODES = {"--host-bound": host_bound, "--profile": profile_only, "--timer-only": 
 
 def main() -> None:
     """The modes named on the command line, in this order, in one process (one start-up for all); a mode that
-    fails prints its traceback and the next one runs. None named: the ZeRO-stage comparison."""
+    fails prints its traceback and the next one runs; exit status 1 if any failed. None named: the ZeRO-stage
+    comparison."""
     work = Path(tempfile.mkdtemp(prefix="zero_stages_"))
     chosen = [run for flag, run in MODES.items() if flag in sys.argv] or [zero_stages]
+    failed = []
     for run in chosen:
         try:
             print(f"RESULT {run(work)}", flush=True)
         except (Exception, SystemExit):  # pretrain's one-line errors exit: the next mode still runs
             traceback.print_exc()
             print(f"RESULT {run.__name__} failed", flush=True)
+            failed.append(run.__name__)
+    if failed:  # gpu_check.sh's stage 5 then says FAIL, not PASS
+        sys.exit(1)
 
 
 if __name__ == "__main__":
