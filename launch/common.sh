@@ -24,12 +24,7 @@ PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 VENV="$(dirname "$PYTHON")"
 DEEPSPEED="${DEEPSPEED:-$REPO/.venv/bin/deepspeed}"
 GPU="${GPU:-v100}"
-case "$GPU" in
-  v100) PRECISION=v100_fp16; GPU_ARCH=sm70 ;;
-  a100) PRECISION=a100_bf16; GPU_ARCH=sm80 ;;
-  h100|h200) PRECISION=a100_bf16; GPU_ARCH=sm90 ;;
-  *) echo "truneg: error: GPU=$GPU: use v100, a100, h100 or h200" >&2; exit 2 ;;
-esac
+GPU_ARCH="$("$PYTHON" -m truneg.config arch "$GPU")" || exit 2  # sm70 for v100, ...; one line for another name
 # Arrays below expand as ${a[@]+"${a[@]}"}: bash before 4.4 calls an empty "${a[@]}" unbound under set -u.
 # LAUNCHER_ARGS split as a shell splits it, so a quoted value stays one word (--launcher_args "--mca
 # btl_tcp_if_include ib0"); Python's shlex re-quotes each word, so nothing in it runs or expands here.
@@ -67,8 +62,8 @@ absolute() {  # a path as seen from here, for every node (DeepSpeed's runner cds
   case "$1" in /*|hf:*) echo "$1" ;; *) echo "$PWD/$1" ;; esac
 }
 
-recipe() {  # recipe STEM: the recipe's config for $GPU
-  if [ "$PRECISION" = a100_bf16 ]; then echo "$REPO/ds_configs/${1}_${PRECISION}_zero1.json"; else echo "$REPO/ds_configs/${1}_${PRECISION}_zero2.json"; fi
+recipe() {  # recipe STEM: the recipe's config for $GPU (fp16 ZeRO-2 for a V100, bf16 ZeRO-1 from an A100)
+  "$PYTHON" -m truneg.config recipe "$1" "$GPU"
 }
 
 pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's run

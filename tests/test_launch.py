@@ -145,6 +145,13 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
         assert f"--model {model} --seq-len {seq} --deepspeed_config {REPO}/ds_configs/{config} " in proc.stdout, script
         tail = "--compile --init-from /ckpt --seed 3" if seq == 512 else "--compile --seed 3"
         assert (REPO / "ds_configs" / config).is_file() and proc.stdout.rstrip().endswith(tail), proc.stdout
+    # BERT-large from scratch with AdamW takes the GPU's recipe too; a GPU=... the scripts do not know: one line
+    proc = subprocess.run(["bash", str(REPO / "launch" / "bert_large_scratch.sh")], capture_output=True, text=True,
+                          env={**env, "OUTPUT": str(out), "GPU": "a100", "OPT": "adamw"})
+    assert f"--deepspeed_config {REPO}/ds_configs/bert_large_a100_bf16_zero1.json " in proc.stdout, proc.stderr
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], capture_output=True, text=True,
+                          env={**env, "OUTPUT": str(out), "GPU": "t4"})
+    assert (proc.returncode, proc.stderr) == (2, "truneg: error: GPU=t4: use v100, a100, h100, h200\n"), proc
     # each node activates the venv (ninja for the JIT builds); HOSTFILE=local: this machine only, no env file
     assert f"--hostfile {REPO}/launch/hosts --venv_script {Path(sys.executable).parent}/activate " in done.stdout
     local_out = tmp_path / "runs" / "local"

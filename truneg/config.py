@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from truneg.errors import UserError
+from truneg.errors import UserError, exit_on_user_error
 
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 CPU_CONFIG = DS_CONFIGS / "cpu_zero2.json"
@@ -35,6 +35,9 @@ _RECIPES = {
     ("bert-base", False): "bert_base", ("bert-base", True): "bert_base_continued",
     ("bert-large", False): "bert_large", ("bert-large", True): "bert_large_continued",
 }
+# The launch scripts' GPU=... names and the compute capability each stands for (launch/common.sh asks here,
+# through `python -m truneg.config`, for the architecture its ranks check and for each recipe's file).
+LAUNCH_GPUS = {"v100": (7, 0), "a100": (8, 0), "h100": (9, 0), "h200": (9, 0)}
 _WARMUP_SHARE = re.compile(r"^(\d+(?:\.\d+)?)%$")
 
 
@@ -68,9 +71,22 @@ def default_config_path(preset: str | None = None, capability: tuple[int, int] |
         capability = local_capability()
     if capability is None:
         return CPU_CONFIG
-    stem = _RECIPES.get((preset or "electra-base", bool(continued)), "electra_small")
-    hardware = "a100_bf16" if precision_for(capability) == "bf16" else "v100_fp16"
-    return DS_CONFIGS / f"{stem}_{hardware}_{'zero1' if hardware == 'a100_bf16' else 'zero2'}.json"
+    return recipe_path(_RECIPES.get((preset or "electra-base", bool(continued)), "electra_small"), capability)
+
+
+def recipe_path(stem: str, capability: tuple[int, int]) -> Path:
+    """A recipe's config for a GPU: `<stem>_v100_fp16_zero2` below compute capability 8.0, `<stem>_a100_bf16_zero1`
+    from it."""
+    if precision_for(capability) == "bf16":
+        return DS_CONFIGS / f"{stem}_a100_bf16_zero1.json"
+    return DS_CONFIGS / f"{stem}_v100_fp16_zero2.json"
+
+
+def launch_gpu(name: str) -> tuple[int, int]:
+    """The compute capability of a launch script's GPU=... name."""
+    if name not in LAUNCH_GPUS:
+        raise UserError(f"GPU={name}: use {', '.join(LAUNCH_GPUS)}")
+    return LAUNCH_GPUS[name]
 
 
 def read_config(path: str | Path) -> dict:
@@ -236,3 +252,30 @@ def precision_of(config: dict) -> str:
     if config.get("bf16", {}).get("enabled"):
         return "bf16"
     return "fp16" if config.get("fp16", {}).get("enabled") else "fp32"
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    """For launch/common.sh: `python -m truneg.config arch GPU` prints the architecture of GPU=... (sm70, ...),
+    which the ranks check against their own; `python -m truneg.config recipe STEM GPU` the recipe's config file."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m truneg.config")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("arch").add_argument("gpu")
+    recipe = commands.add_parser("recipe")
+    recipe.add_argument("stem")
+    recipe.add_argument("gpu")
+    args = parser.parse_args(argv)
+    capability = launch_gpu(args.gpu)
+    if args.command == "arch":
+        print(f"sm{capability[0]}{capability[1]}")
+        return
+    path = recipe_path(args.stem, capability)
+    if not path.is_file():
+        raise UserError(f"no recipe {path.name} in {DS_CONFIGS}")
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

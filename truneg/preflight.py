@@ -19,7 +19,8 @@ from pathlib import Path
 from truneg import config as ds_config
 from truneg.errors import UserError
 
-GPU_ARCHS = {"sm70": (7, 0), "sm80": (8, 0), "sm90": (9, 0)}
+# --gpu-arch's names: the architectures of the launch scripts' GPU=... (sm70, sm80, sm90)
+GPU_ARCHS = {f"sm{major}{minor}": (major, minor) for major, minor in ds_config.LAUNCH_GPUS.values()}
 # The launch scripts' GPU=... as its arch, in the env file every node reads: the ranks check it against their
 # own GPU (the preflight can only where the launching node has one).
 GPU_ARCH_ENV = "TRUNEG_GPU_ARCH"
