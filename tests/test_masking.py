@@ -25,8 +25,12 @@ def masked(tokenizer, rows, scheme="bert", seed=1, epoch=0, indices=None, max_pr
                        seed=seed, epoch=epoch, indices=indices, max_predictions=max_predictions)
 
 
-def test_default_max_predictions_follow_bert_recipes():
+def test_default_max_predictions_follow_bert_recipes(tokenizer):
     assert default_max_predictions(128) == 20 and default_max_predictions(512) == 80
+    # the shortest sequence the tools accept, [CLS] w [SEP]: its one word masked, in as many slots as positions
+    batch = masked(tokenizer, np.array([[tokenizer.cls_token_id, 2000, tokenizer.sep_token_id]]),
+                   max_predictions=default_max_predictions(3))
+    assert batch["masked_positions"].tolist() == [[1, 0, 0]] and batch["masked_valid"].tolist() == [[True, False, False]]
 
 
 @pytest.mark.parametrize("scheme,mask_share,random_share", [("bert", 0.8, 0.1), ("electra", 0.85, 0.0)])

@@ -29,8 +29,9 @@ MASK_SCHEMES = {
 
 
 def default_max_predictions(seq_len: int) -> int:
-    """15 % of the sequence rounded up to a multiple of 4: 20 at seq 128 and 80 at 512, as BERT's recipes."""
-    return max(4, -(-int(np.ceil(0.15 * seq_len)) // 4) * 4)
+    """15 % of the sequence rounded up to a multiple of 4: 20 at seq 128 and 80 at 512, as BERT's recipes (at most
+    the sequence: the slots are positions of it)."""
+    return min(seq_len, max(4, -(-int(np.ceil(0.15 * seq_len)) // 4) * 4))
 
 
 def mask_tokens(
