@@ -235,6 +235,44 @@ def test_bad_prepared_folders_are_one_line_errors_and_nothing_is_overwritten(tmp
         open_training_blocks(str(out), tokenizer, SEQ)
 
 
+def test_a_tokenizer_of_the_same_vocab_that_splits_text_otherwise_prepares_its_own_folder(tmp_path, tokenizer):
+    """The vocab and the lowercasing name a tokenizer's folder and runs; its accent stripping (and CJK options)
+    also decide the ids. A copy of the tokenizer that keeps accents gets its own cache folder and is refused by
+    the other's prepared folder, while the data fingerprint runs record stays what it was without the probe."""
+    import json
+    import shutil
+
+    from truneg.data import DEFAULT_TOKENIZER, ensure_prepared
+
+    folder = tmp_path / "accents"
+    shutil.copytree(DEFAULT_TOKENIZER, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "strip_accents": False}))
+    accents = load_tokenizer(folder)
+    assert prepare.tokenizer_fingerprint(accents) == prepare.tokenizer_fingerprint(tokenizer)
+
+    text = tmp_path / "text.txt"
+    text.write_text("the caf\u00e9 on the corner was open late and the na\u00efve clerk sold tea " * 20)
+    cache = tmp_path / "cache"
+    stripped = ensure_prepared(str(text), tokenizer, SEQ, cache_dir=cache, num_proc=1)
+    kept = ensure_prepared(str(text), accents, SEQ, cache_dir=cache, num_proc=1)
+    assert stripped != kept and shard_bytes(stripped) != shard_bytes(kept)
+    with pytest.raises(UserError, match="same vocab that splits text otherwise"):
+        open_training_blocks(str(stripped), accents, SEQ)
+
+    # Plain ASCII text comes out the same from both: so does the fingerprint runs record (the probe is not in it)
+    text.write_text("the cafe on the corner was open late and the naive clerk sold tea " * 20)
+    a = prepare.prepare(str(text), tokenizer, SEQ, tmp_path / "a", 1, progress=False)
+    b = prepare.prepare(str(text), accents, SEQ, tmp_path / "b", 1, progress=False)
+    assert open_prepared(a).index["tokenizer_probe"] != open_prepared(b).index["tokenizer_probe"]
+    assert open_prepared(a).fingerprint == open_prepared(b).fingerprint
+    # a folder prepared before folders recorded the probe is checked on the vocab alone, as then
+    index = json.loads((b / "index.json").read_text())
+    del index["tokenizer_probe"]
+    (b / "index.json").write_text(json.dumps(index))
+    assert open_training_blocks(str(b), tokenizer, SEQ)[1] == open_prepared(a).fingerprint
+
+
 def test_two_launches_preparing_the_same_corpus_at_once_both_succeed(tmp_path):
     """Two runs (or the local rank 0 of several nodes on one shared cache) prepare the same corpus at the
     same time: each into a folder of its own, published by one rename; both read the same blocks."""

@@ -146,6 +146,11 @@ def open_prepared(folder: str | Path, tokenizer: PreTrainedTokenizerBase | None 
     if tokenizer is not None and index["tokenizer"] != prep.tokenizer_fingerprint(tokenizer):
         raise UserError(f"{folder} was prepared with another tokenizer (vocab); pass that --tokenizer or prepare "
                         "the corpus again with this one")
+    # folders prepared before the probe was recorded are checked on the vocab alone
+    probe = index.get("tokenizer_probe")
+    if tokenizer is not None and probe is not None and probe != prep.tokenizer_probe(tokenizer):
+        raise UserError(f"{folder} was prepared with a tokenizer of the same vocab that splits text otherwise (its "
+                        "lowercasing, accents or CJK options); pass that --tokenizer or prepare the corpus again")
     return PreparedBlocks(folder, index)
 
 

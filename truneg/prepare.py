@@ -46,6 +46,20 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(state.encode()).hexdigest()
 
 
+# Text that each of BERT's normalisation and splitting options tokenizes differently: case, accents, CJK
+# characters, control and odd whitespace, punctuation, digits, a long word.
+PROBE_TEXT = ("Café naïve RÉSUMÉ Ångström 東京大学 don't e-mail,x.y;z (1.5%) \u00a0\t\x07 ÆØß "
+              "supercalifragilisticexpialidocious 123456")
+
+
+def tokenizer_probe(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What the tokenizer makes of PROBE_TEXT. tokenizer_fingerprint sees the vocab and the lowercasing only: a
+    tokenizer with the same vocab that strips accents, or splits CJK characters, differently would read the
+    same folder. Its behaviour, not its serialization, so that a newer `tokenizers` keeps old folders valid."""
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+
+
 def ids_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "int32"  # ids 0..65535 fit: half the disk and page cache
 
@@ -95,7 +109,8 @@ def plan(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, se
     vocab = len(tokenizer)
     settings = {
         "format": FORMAT, "seq_len": seq_len, "dtype": ids_dtype(vocab), "vocab_size": vocab,
-        "tokenizer": tokenizer_fingerprint(tokenizer), "cls_id": tokenizer.cls_token_id,
+        "tokenizer": tokenizer_fingerprint(tokenizer), "tokenizer_probe": tokenizer_probe(tokenizer),
+        "cls_id": tokenizer.cls_token_id,
         "sep_id": tokenizer.sep_token_id, "sources": sources,
         "units": hashlib.sha256(json.dumps(units).encode()).hexdigest(), "num_units": len(units),
     }
@@ -212,6 +227,8 @@ def _claim(folder: Path, settings: dict) -> None:
     path = folder / SETTINGS
     if path.is_file():
         old = _read_json(path)
+        if "tokenizer_probe" not in old:  # a preparation begun before folders had it: the rest must agree
+            settings = {k: v for k, v in settings.items() if k != "tokenizer_probe"}
         if old != settings:
             what = [k for k in ("seq_len", "tokenizer", "dtype", "sources", "units") if old.get(k) != settings.get(k)]
             raise UserError(f"{folder} holds a preparation with another {', '.join(what) or 'format'}; "
@@ -296,8 +313,10 @@ def write_index(out: Path, settings: dict, records: list[dict], base: Path) -> d
         raise UserError(f"the corpus has {sum(r['tokens'] for r in records)} tokens, fewer than one block of "
                         f"--seq-len {settings['seq_len']}")
     index = {"format": FORMAT, "seq_len": settings["seq_len"], "dtype": settings["dtype"],
-             "tokenizer": settings["tokenizer"], "source_fingerprint": source, "sources": settings["sources"],
+             "tokenizer": settings["tokenizer"], "tokenizer_probe": settings["tokenizer_probe"],
+             "source_fingerprint": source, "sources": settings["sources"],
              "blocks": total, "tokens": sum(r["tokens"] for r in records), "shards": shards}
+    # (not the probe: a run recorded this fingerprint before folders had one, and resumes when it is the same)
     index["fingerprint"] = hashlib.sha256(json.dumps(
         [FORMAT, settings["seq_len"], settings["dtype"], settings["tokenizer"], source,
          [s["sha256"] for s in shards]]).encode()).hexdigest()
