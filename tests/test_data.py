@@ -82,6 +82,17 @@ def test_sampler_resumes_and_is_independent_of_world_size():
     one_rank = take(ResumableSampler(53, 4, 1, 0, seed=9, accumulation=2), 28)
     per_step_one = [sorted(np.concatenate([one_rank[2 * k][1], one_rank[2 * k + 1][1]]).tolist()) for k in range(14)]
     assert per_step_one == per_step_two and [e for e, _ in one_rank[::2]] == [0] * 6 + [1] * 6 + [2] * 2
+    # `--resume DIR` of a run with a global batch of 8 into one of 12 (3 ranks x 4): offset 16 is no multiple of
+    # 12, and the step from 28 would need 40 of the 38 sequences. Every micro-batch stays whole, and the epoch
+    # ends for every rank at the same micro-step.
+    three = [ResumableSampler(38, 4, 3, r, seed=9) for r in range(3)]
+    for sampler in three:
+        sampler.load_state_dict({"epoch": 0, "offset": 16})
+    after = [take(s, 2) for s in three]
+    assert [[len(i) for _, i in rank] for rank in after] == [[4, 4]] * 3
+    assert [[e for e, _ in rank] for rank in after] == [[0, 1]] * 3
+    assert sorted(np.concatenate([rank[0][1] for rank in after]).tolist()) == sorted(
+        np.random.default_rng([9, 0]).permutation(38)[16:28].tolist())
 
 
 def test_hf_dataset_with_a_named_text_column(tmp_path, tokenizer):

@@ -269,6 +269,7 @@ class ResumableSampler:
                 f"{accumulation} x {world_size}: micro-batch x accumulation x ranks); add text or lower the batch size"
             )
         self.num_sequences, self.micro_batch, self.rank, self.seed = num_sequences, micro_batch, rank, seed
+        self.accumulation = accumulation
         self.state = SamplerState()
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -278,11 +279,13 @@ class ResumableSampler:
         """Yields (epoch, sequence indices of this rank's micro-batch) forever, from the current state."""
         while True:
             perm = self._permutation(self.state.epoch)
-            # the optimizer step this micro-step belongs to must fit whole
-            while self.state.offset - self.state.offset % self.global_batch + self.global_batch <= self.num_sequences:
-                start = self.state.offset + self.rank * self.micro_batch
-                self.state.offset += self.global_micro
-                yield self.state.epoch, perm[start : start + self.micro_batch]
+            # an optimizer step starts only where it fits whole. It starts at the offset a checkpoint saved, which
+            # need not be a multiple of this run's global batch (`--resume DIR` of a run with another batch size).
+            while self.state.offset + self.global_batch <= self.num_sequences:
+                for _ in range(self.accumulation):
+                    start = self.state.offset + self.rank * self.micro_batch
+                    self.state.offset += self.global_micro
+                    yield self.state.epoch, perm[start : start + self.micro_batch]
             self.state = SamplerState(self.state.epoch + 1, 0)
 
     def state_dict(self) -> dict:
