@@ -126,6 +126,29 @@ def test_parts_merged_equal_one_preparation(tmp_path, corpus, tokenizer):
     assert {**shard_bytes(tmp_path / "shared"), **shard_bytes(tmp_path / "other")} == shard_bytes(whole.folder)
 
 
+def test_parts_claiming_one_shared_folder_at_once_both_go_on(tmp_path, corpus, tokenizer, monkeypatch):
+    """Part 1 finds no prepare.json, then part 0 (another machine) writes it before part 1 looks at the folder:
+    part 1 goes on with it, as with one written before, and still refuses another preparation's."""
+    settings = prepare.plan(str(corpus), tokenizer, SEQ, unit_bytes=UNIT)[0]
+    out = tmp_path / "shared"
+    real_is_file, looked = Path.is_file, []
+
+    def part_0_writes_meanwhile(path: Path) -> bool:
+        if path == out / prepare.SETTINGS and not looked:
+            looked.append(path)
+            prepare._claim(out, settings)  # part 0, between part 1's two looks
+            return False
+        return real_is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", part_0_writes_meanwhile)
+    prepare._claim(out, settings)
+    assert looked and prepare._read_json(out / prepare.SETTINGS) == settings
+    monkeypatch.setattr(Path, "is_file", real_is_file)
+    with pytest.raises(UserError, match="another seq_len"):
+        prepare._claim(out, {**settings, "seq_len": SEQ * 2})
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
 def _word_tokenizer(size: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -21,6 +21,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -65,7 +66,8 @@ def ids_dtype(vocab_size: int) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    # the host too: parts on several machines (containers often share a pid) write prepare.json at once
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)
 
@@ -225,20 +227,21 @@ def _committed(folder: Path, unit: dict, settings: dict) -> dict | None:
 def _claim(folder: Path, settings: dict) -> None:
     """Create DIR/prepare.json, or check that DIR holds this same preparation; refuse anything else."""
     path = folder / SETTINGS
-    if path.is_file():
-        old = _read_json(path)
-        if "tokenizer_probe" not in old:  # a preparation begun before folders had it: the rest must agree
-            settings = {k: v for k, v in settings.items() if k != "tokenizer_probe"}
-        if old != settings:
-            what = [k for k in ("seq_len", "tokenizer", "dtype", "sources", "units") if old.get(k) != settings.get(k)]
-            raise UserError(f"{folder} holds a preparation with another {', '.join(what) or 'format'}; "
-                            "choose another --out (or delete that folder to replace it)")
-        return
-    # Parts on several machines may claim one shared folder at once: their shards/ and temporary files are fine.
-    if folder.is_dir() and any(p.name != SHARDS and not p.name.endswith(".tmp") for p in folder.iterdir()):
-        raise UserError(f"{folder} is not empty and holds no preparation; choose an empty or new --out")
-    (folder / SHARDS).mkdir(parents=True, exist_ok=True)
-    _write_json(path, settings)
+    if not path.is_file():
+        # Parts on several machines may claim one shared folder at once: another's shards/, prepare.json (written
+        # since the line above) and temporary files are fine; two that write it both write the same settings.
+        if folder.is_dir() and any(p.name not in (SHARDS, SETTINGS) and not p.name.endswith(".tmp")
+                                   for p in folder.iterdir()):
+            raise UserError(f"{folder} is not empty and holds no preparation; choose an empty or new --out")
+        (folder / SHARDS).mkdir(parents=True, exist_ok=True)
+        _write_json(path, settings)
+    old = _read_json(path)
+    if "tokenizer_probe" not in old:  # a preparation begun before folders had it: the rest must agree
+        settings = {k: v for k, v in settings.items() if k != "tokenizer_probe"}
+    if old != settings:
+        what = [k for k in ("seq_len", "tokenizer", "dtype", "sources", "units") if old.get(k) != settings.get(k)]
+        raise UserError(f"{folder} holds a preparation with another {', '.join(what) or 'format'}; "
+                        "choose another --out (or delete that folder to replace it)")
 
 
 def _part_name(part: tuple[int, int]) -> str:
