@@ -95,6 +95,35 @@ def test_sampler_resumes_and_is_independent_of_world_size():
         np.random.default_rng([9, 0]).permutation(38)[16:28].tolist())
 
 
+def test_ranks_open_the_folder_their_nodes_local_rank_0_prepared_without_planning_again(tmp_path, tokenizer,
+                                                                                        monkeypatch):
+    """Only each node's local rank 0 plans the corpus (for `hf:` on the Hub, requests per file): the others take
+    its folder from a collective, here two nodes of two ranks seen from rank 3 (node-b's local rank 1)."""
+    import socket
+
+    from truneg import build, data
+    from truneg.pretrain import parse_args
+    from truneg.run_config import RunConfig
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the primary school was closed today and another document begins here\n" * 8)
+    folder = ensure_prepared(str(corpus), tokenizer, 6, tmp_path / "cache", 1)
+    elsewhere = tmp_path / "node-a-cache"  # node-a's folder: not this node's
+
+    def gather(found, mine):
+        found[:] = [("node-a", str(elsewhere)), ("node-a", None), ("node-b", str(folder)), mine]
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+    monkeypatch.setattr(build.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(build.dist, "all_gather_object", gather)
+    monkeypatch.setattr(data, "ensure_prepared", lambda *a, **k: pytest.fail("a rank planned the corpus again"))
+    cfg = RunConfig.from_args(parse_args(["--train-data", str(corpus), "--seq-len", "6",
+                                          "--cache-dir", str(tmp_path / "cache")]))
+    start = build.Start({}, tokenizer, None, None, prepared=None)
+    blocks, record = build.open_blocks(cfg, start)
+    assert blocks.folder == folder and record == {"data": open_prepared(folder).fingerprint}
+
+
 def test_hf_dataset_with_a_named_text_column(tmp_path, tokenizer):
     folder = tmp_path / "hf_dataset"
     folder.mkdir()

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -46,6 +48,7 @@ class Start:
     tokenizer: PreTrainedTokenizerBase
     table: SynonymTable | None
     resume: checkpoint.ResumePoint | None
+    prepared: Path | None = None  # the prepared folder of --train-data, on each node's local rank 0
 
 
 # DeepSpeed's fused optimizers, built just in time (and loaded under a lock) by the op of this name.
@@ -75,20 +78,27 @@ def check_start(cfg: RunConfig, world_size: int) -> Start:
         refuse_stale_build_lock(jit_op)  # built on each node on first use, in its node-local folder
     tokenizer = load_tokenizer(cfg.tokenizer)
     table = synonym_table(cfg, tokenizer)
+    prepared = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        ensure_prepared(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
-    return Start(ds_config, tokenizer, table, resume)
+        prepared = ensure_prepared(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
+    return Start(ds_config, tokenizer, table, resume, prepared)
 
 
-def open_blocks(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[PreparedBlocks, dict]:
+def open_blocks(cfg: RunConfig, start: Start) -> tuple[PreparedBlocks, dict]:
     """The memory-mapped blocks on every rank, once each node's local rank 0 has prepared them (a collective).
     Returns (blocks, the run-record entry naming the prepared data)."""
-    from truneg.data import open_training_blocks
+    from truneg.data import ensure_prepared, open_prepared
 
-    dist.barrier()
-    blocks, fingerprint = open_training_blocks(cfg.train_data, tokenizer, cfg.seq_len, cache_dir=cfg.cache_dir,
-                                               num_proc=cfg.num_proc, prepare=False)
-    return blocks, {"data": fingerprint}
+    # Every rank learns where its node's local rank 0 found or made the folder: finding it again would plan
+    # the corpus on every rank (for an `hf:` dataset on the Hub, a request per rank and file at once).
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (socket.gethostname(), start.prepared and str(start.prepared)))
+    folder = start.prepared or next((Path(f) for host, f in found if host == socket.gethostname() and f), None)
+    if folder is None or not folder.is_dir():  # no local rank 0 on this host (an odd rank mapping)
+        folder = ensure_prepared(cfg.train_data, start.tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc,
+                                 prepare=False)
+    blocks = open_prepared(folder, start.tokenizer, cfg.seq_len)
+    return blocks, {"data": blocks.fingerprint}
 
 
 def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> SynonymTable | None:

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                                     checkpoint.step_of_tag(start.resume.tag) if start.resume else -1)
 
     # 3. Data: the memory-mapped blocks on every rank.
-    blocks, data_record = build.open_blocks(cfg, start.tokenizer)
+    blocks, data_record = build.open_blocks(cfg, start)
 
     # 4. The model; then claim the output folder for this run (refuse to mix two runs in one folder).
     model = build.build_model(cfg, start.table, vocab_size=len(start.tokenizer))
