@@ -72,6 +72,15 @@ def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote
     for value in ("$HOME/x", "a`b`", 'a"b', "a b"):
         with pytest.raises(UserError, match="remote shell"):
             write_env_file(tmp_path / "out", {"X": value}, carry_over=[])
+    # DeepSpeed's slurm launcher: srun's --export=ALL,NAME=value,... cuts a value at its comma. This shell's own
+    # value is left to --export=ALL (whole); a value only the file has is refused, and no file is written.
+    shell["NCCL_IB_HCA"] = "mlx5_0,mlx5_1"
+    written = write_env_file(path, {}, carry_over=[], forwarded=forwarded_env(shell), launcher="slurm", environ=shell)
+    assert "NCCL_IB_HCA" not in written and "NCCL_IB_HCA" not in path.read_text() and "CUDA_HOME" in written
+    assert "NCCL_IB_HCA" in write_env_file(path, {}, carry_over=[], forwarded=forwarded_env(shell), environ=shell)
+    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo holds a comma, where srun's --export"):
+        write_env_file(tmp_path / "slurm_env", {}, carry_over=[user], launcher="slurm", environ=shell)
+    assert not (tmp_path / "slurm_env").exists()
 
 
 def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_and_the_venvs_path(tmp_path, monkeypatch):

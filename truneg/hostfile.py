@@ -123,14 +123,20 @@ def deepspeed_env_files(environ: dict[str, str] | None = None) -> list[Path]:
 
 
 def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Path] | None = None,
-                   forwarded: dict[str, str] | None = None, defaults: dict[str, str] | None = None) -> dict[str, str]:
+                   forwarded: dict[str, str] | None = None, defaults: dict[str, str] | None = None,
+                   launcher: str = "pdsh", environ: dict[str, str] | None = None) -> dict[str, str]:
     """Write `NAME=value` lines DeepSpeed's launcher reads (DS_ENV_FILE), each over the ones before:
     `defaults`, `forwarded` (this shell's), the lines of `carry_over` files (default: ~/.deepspeed_env and
     ./.deepspeed_env, which an absolute DS_ENV_FILE hides; over the forwarded ones as in DeepSpeed's runner),
-    then `values` (what this shell sets). Returns what was written."""
+    then `values` (what this shell sets). Returns what was written.
+
+    DeepSpeed's slurm launcher hands the lines to `srun --export=ALL,NAME=value,...`, which cuts a value at its
+    first comma (NCCL_IB_HCA=mlx5_0,mlx5_1 would reach the ranks as mlx5_0): such a line is left out where this
+    shell (`environ`) holds the same value, which --export=ALL passes whole, and refused otherwise."""
     path = Path(path)
+    environ = dict(os.environ if environ is None else environ)
     if carry_over is None:
-        carry_over = deepspeed_env_files({k: v for k, v in os.environ.items() if k != "DS_ENV_FILE"})
+        carry_over = deepspeed_env_files({k: v for k, v in environ.items() if k != "DS_ENV_FILE"})
     merged: dict[str, str] = {**(defaults or {}), **(forwarded or {})}
     for extra in carry_over:
         if extra.is_file() and extra.resolve() != path.resolve():
@@ -140,6 +146,12 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
         if UNSAFE_VALUE.search(value):
             raise UserError(f"{key}={value!r} holds a space, quote, $, ` or \\, which the remote shell of DeepSpeed's "
                             "launcher would split or expand; choose a value without them")
+    if launcher == "slurm":
+        for key, value in [(k, v) for k, v in merged.items() if "," in v]:
+            if environ.get(key) != value:
+                raise UserError(f"{key}={value} holds a comma, where srun's --export (DeepSpeed's slurm launcher) would "
+                                f"cut it; export {key}={value} in this shell instead (--export=ALL passes it whole)")
+            del merged[key]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(f"{key}={value}\n" for key, value in merged.items()), encoding="utf-8")
@@ -296,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
             values[GPU_ARCH_ENV] = args.gpu_arch
         # deepspeed's default launcher without options (its parser costs an import of deepspeed)
         launcher = launcher_options(args.launcher_args).launcher.lower() if args.launcher_args.strip() else "pdsh"
-        written = write_env_file(args.env_file, values, defaults=defaults, forwarded=forwarded_env(launcher=launcher))
+        written = write_env_file(args.env_file, values, defaults=defaults, forwarded=forwarded_env(launcher=launcher),
+                                 launcher=launcher)
         print(f"{args.env_file}: " + " ".join(f"{k}={v}" for k, v in written.items()))
     else:
         print(f"{args.hostfile}: {len(pool)} nodes, {sum(pool.values())} slots: " + ", ".join(f"{h}={s}" for h, s in pool.items()))
