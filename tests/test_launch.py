@@ -78,9 +78,13 @@ def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote
     written = write_env_file(path, {}, carry_over=[], forwarded=forwarded_env(shell), launcher="slurm", environ=shell)
     assert "NCCL_IB_HCA" not in written and "NCCL_IB_HCA" not in path.read_text() and "CUDA_HOME" in written
     assert "NCCL_IB_HCA" in write_env_file(path, {}, carry_over=[], forwarded=forwarded_env(shell), environ=shell)
-    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo holds a comma, where srun's --export"):
+    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo holds a comma or a character DeepSpeed"):
         write_env_file(tmp_path / "slurm_env", {}, carry_over=[user], launcher="slurm", environ=shell)
     assert not (tmp_path / "slurm_env").exists()
+    # openmpi and the other MPI launchers start no shell: DeepSpeed's quotes would reach the ranks
+    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo would reach the ranks in double quotes"):
+        write_env_file(tmp_path / "mpi_env", {}, carry_over=[user], launcher="openmpi", environ=shell)
+    assert not (tmp_path / "mpi_env").exists()
 
 
 def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_and_the_venvs_path(tmp_path, monkeypatch):

@@ -59,6 +59,9 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # DeepSpeed's runner puts a value in double quotes for the remote shell; inside them these still act, and
 # whitespace splits the `cd` and paths of pdsh's command line.
 UNSAFE_VALUE = re.compile(r"[\s\"$`\\]")
+# A value with another character DeepSpeed's runner puts in double quotes (multinode_runner.add_export): pdsh's
+# remote shell removes them, its MPI and Slurm runners, which start no shell, pass them on to the ranks.
+UNQUOTED_VALUE = re.compile(r"^[\w@%+=:,./-]*$")
 # Forwarded by DeepSpeed only from a launching node with a GPU; the wrappers may launch from one without.
 FORWARDED_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
@@ -95,7 +98,7 @@ def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | 
     if launcher != "pdsh" and "PATH" in environ:
         venv_bin = str(venv_bin or Path(sys.prefix) / "bin")
         entries = [venv_bin] + [e for e in environ["PATH"].split(os.pathsep) if e and e != venv_bin]
-        forwarded["PATH"] = os.pathsep.join(e for e in entries if not UNSAFE_VALUE.search(e))
+        forwarded["PATH"] = os.pathsep.join(e for e in entries if UNQUOTED_VALUE.match(e))
     return forwarded
 
 
@@ -130,9 +133,11 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
     ./.deepspeed_env, which an absolute DS_ENV_FILE hides; over the forwarded ones as in DeepSpeed's runner),
     then `values` (what this shell sets). Returns what was written.
 
-    DeepSpeed's slurm launcher hands the lines to `srun --export=ALL,NAME=value,...`, which cuts a value at its
-    first comma (NCCL_IB_HCA=mlx5_0,mlx5_1 would reach the ranks as mlx5_0): such a line is left out where this
-    shell (`environ`) holds the same value, which --export=ALL passes whole, and refused otherwise."""
+    The launchers other than pdsh start no remote shell: a value DeepSpeed quotes (NCCL_SOCKET_IFNAME=^lo) would
+    reach the ranks with its quotes, and is refused. The slurm launcher hands the lines to `srun
+    --export=ALL,NAME=value,...`, which also cuts a value at its first comma (NCCL_IB_HCA=mlx5_0,mlx5_1 would
+    reach the ranks as mlx5_0): there such lines are left out where this shell (`environ`) holds the same
+    value, which --export=ALL passes whole."""
     path = Path(path)
     environ = dict(os.environ if environ is None else environ)
     if carry_over is None:
@@ -147,11 +152,18 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
             raise UserError(f"{key}={value!r} holds a space, quote, $, ` or \\, which the remote shell of DeepSpeed's "
                             "launcher would split or expand; choose a value without them")
     if launcher == "slurm":
-        for key, value in [(k, v) for k, v in merged.items() if "," in v]:
+        for key, value in [(k, v) for k, v in merged.items() if "," in v or not UNQUOTED_VALUE.match(v)]:
             if environ.get(key) != value:
-                raise UserError(f"{key}={value} holds a comma, where srun's --export (DeepSpeed's slurm launcher) would "
-                                f"cut it; export {key}={value} in this shell instead (--export=ALL passes it whole)")
+                raise UserError(f"{key}={value} holds a comma or a character DeepSpeed quotes, which srun's --export "
+                                f"(its slurm launcher) would cut or keep; export {key}={value} in this shell instead "
+                                "(--export=ALL passes it whole)")
             del merged[key]
+    elif launcher != "pdsh":
+        for key, value in merged.items():
+            if not UNQUOTED_VALUE.match(value):
+                raise UserError(f"{key}={value} would reach the ranks in double quotes: DeepSpeed quotes a value with "
+                                f"characters outside [A-Za-z0-9_@%+=:,./-], and its {launcher} launcher starts no shell "
+                                "to remove them; choose such a value (NCCL_*: or set it in ~/.nccl.conf on every node)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(f"{key}={value}\n" for key, value in merged.items()), encoding="utf-8")
