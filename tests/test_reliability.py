@@ -232,6 +232,70 @@ def test_fp16_at_zero_stage_0_steps_as_fp32_does(tmp_path, launch_env, monkeypat
     assert preflight.check_fp16_loss_scaling({**config, "zero_optimization": {"stage": 2}}) is None
 
 
+ZERO3_UNIVERSAL_GROUPS = """
+import json, os, sys
+from pathlib import Path
+import torch, deepspeed
+from truneg import checkpoint
+from truneg.models import parameter_groups
+
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo")
+folder, mode = Path(sys.argv[2]), sys.argv[3]
+
+
+class Tiny(torch.nn.Module):  # a weight (decayed), a bias and a LayerNorm (not): truneg's two groups
+    def __init__(self):
+        super().__init__()
+        self.dense, self.LayerNorm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.LayerNorm(self.dense(x)).sum()
+
+
+def engine(universal):
+    torch.manual_seed(0)
+    model = Tiny()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+              "checkpoint": {"load_universal": universal}, "steps_per_print": 10**9}
+    return deepspeed.initialize(model=model, model_parameters=parameter_groups(model), config=config)[0]
+
+
+def decays(e):
+    return [group["weight_decay"] for group in e.optimizer.optimizer.param_groups]
+
+
+saved = engine(False)
+saved.backward(saved(torch.randn(2, 4)))
+saved.step()
+tag = checkpoint.save(saved, folder, 1, {}, {})
+checkpoint.convert_to_universal(folder, tag)
+resumed = engine(True)
+if mode == "deepspeed":  # DeepSpeed's load alone, as truneg loaded it before
+    resumed.load_checkpoint(str(folder), tag=checkpoint.universal_tag(tag))
+else:
+    checkpoint.load(resumed, folder, checkpoint.universal_tag(tag))
+print(json.dumps({"saved": decays(saved), "resumed": decays(resumed)}))
+"""
+
+
+def test_a_zero_3_checkpoint_resumed_on_another_world_size_keeps_each_groups_weight_decay(tmp_path, launch_env):
+    """DeepSpeed 0.19's ZeRO-3 universal load gives every parameter group the first one's settings: biases and
+    LayerNorm would be decayed after a resume on another world size (the ZeRO-3 recipes). One process saves
+    its partitions, DeepSpeed converts them, and truneg's load gives each group its own settings back."""
+    script = tmp_path / "zero3_groups.py"
+    script.write_text(ZERO3_UNIVERSAL_GROUPS)
+    found = {}
+    for mode in ("truneg", "deepspeed"):
+        proc = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path / mode), mode],
+                              env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["truneg"] == {"saved": [0.01, 0.0], "resumed": [0.01, 0.0]}
+    assert found["deepspeed"]["resumed"] == [0.01, 0.01], "DeepSpeed's universal load keeps the groups apart now"
+
+
 def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path, launch_env, small_corpus):
     """Rank 0 alone completes a checkpoint (META, `latest`); when that fails (here `latest.tmp` is a folder, as
     a full disk would fail it), the other ranks learn it from the same all-reduce and stop too, where across

@@ -231,11 +231,26 @@ def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict,
         ) from None
     if path is None:
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag}; it is incomplete")
+    if engine.zero_optimization_stage() == 3 and engine.load_universal_checkpoint():
+        _restore_group_settings(engine.optimizer.optimizer, checkpoint_dir / tag / "zero" / "optimizer_state.pt")
     rank_file = rank_state_file(checkpoint_dir, tag, dist.get_rank())
     rank_state = None
     if rank_file.is_file() and client_state.get("world_size") == dist.get_world_size():
         rank_state = torch.load(rank_file, weights_only=False)
     return client_state, rank_state
+
+
+def _restore_group_settings(optimizer: torch.optim.Optimizer, universal_optimizer_state: Path) -> None:
+    """DeepSpeed 0.19's ZeRO-3 universal load gives every parameter group the first group's settings
+    (stage3.py, _load_universal_checkpoint): the no-decay group (biases, LayerNorm) would be decayed from then on.
+    Each group gets its own back, as saved (the file is memory-mapped: only the settings are read)."""
+    saved = torch.load(universal_optimizer_state, map_location="cpu", weights_only=False, mmap=True)
+    saved_groups = saved["optimizer_state_dict"]["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise UserError(f"{universal_optimizer_state} holds {len(saved_groups)} parameter groups, this model "
+                        f"{len(optimizer.param_groups)}; resume it with the model it was written by")
+    for group, saved_group in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
 # ---------------------------------------------------------------------------------------------------
