@@ -348,6 +348,22 @@ def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path
     assert not (folder / "latest").exists() and not list(folder.iterdir())  # a fresh start, not a dangling name
 
 
+def test_keep_checkpoints_counts_complete_ones_only(tmp_path):
+    """A preemption's save cut by the launcher's SIGKILL (no META) is no checkpoint: --keep-checkpoints 2 keeps
+    the two newest complete ones and removes the cut one with the older."""
+    from truneg import checkpoint
+
+    folder = tmp_path / "checkpoints"
+    for step in (100, 150, 200, 250):
+        (folder / f"global_step{step}").mkdir(parents=True)
+        if step != 200:
+            (folder / f"global_step{step}" / checkpoint.META_FILE).write_text("{}")
+    (folder / "global_step300").mkdir()  # a save under way past `latest`: not touched
+    (folder / "latest").write_text("global_step250")
+    assert checkpoint.remove_old(folder, 2) == ["global_step100", "global_step200"]
+    assert sorted(p.name for p in folder.iterdir()) == ["global_step150", "global_step250", "global_step300", "latest"]
+
+
 def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, launch_env, small_corpus):
     """SIGTERM, then SIGINT on the resumed run (what schedulers and Ctrl-C send), then a run to the end: one
     chain of launches, each stop checkpointed at the next step and the whole equal to the uninterrupted run."""
