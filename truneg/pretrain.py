@@ -102,6 +102,9 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--lr {args.lr} must be > 0")
     if not args.sr_weight >= 0:
         problems.append(f"--sr-weight {args.sr_weight} must be >= 0")
+    if args.overwrite and args.resume not in ("auto", "none"):  # it would start afresh, the checkpoint unread
+        problems.append(f"--overwrite starts afresh, --resume {args.resume} continues a checkpoint: to continue it in "
+                        "a folder that holds another run, choose an empty --output-dir instead")
     return problems
 
 
