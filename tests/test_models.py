@@ -108,6 +108,13 @@ def test_init_from_keeps_or_applies_dropout_and_refuses_a_contradicting_preset(t
     assert matching_preset(tmp_path / "electra") == "electra-tiny"
     assert all(m.training for m in build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "electra").modules())
     assert matching_preset(tmp_path / "nothing") is None
+    # a checkpoint without the pre-training head (a BertModel: sentence encoders, classifiers' bodies) would start
+    # the head random, which HF only logs; a tokenizer larger than the embeddings would index past them
+    kept.mlm.bert.save_pretrained(tmp_path / "body")
+    with pytest.raises(UserError, match=r"lacks \d+ weights of BertForMaskedLM \(cls\.predictions"):
+        build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "body")
+    with pytest.raises(UserError, match="the tokenizer has 30600 tokens, --init-from's embeddings 30522 rows"):
+        build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "bert", vocab_size=30600)
 
 
 def test_electra_logs_argmax_and_sampled_generator_accuracy(monkeypatch):

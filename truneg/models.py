@@ -290,6 +290,10 @@ def build_pretrainer(
     """
     if init_from:
         model = _continued(preset, Path(init_from), objective)
+        rows = architecture(model)["vocab_size"]
+        if vocab_size > rows:  # masking would draw ids past the embedding table
+            raise UserError(f"the tokenizer has {vocab_size} tokens, --init-from's embeddings {rows} rows; pass "
+                            "--tokenizer the checkpoint's own tokenizer")
         if dropout is not None:
             set_dropout(model, dropout)
         return model
@@ -371,6 +375,14 @@ def _from_pretrained(cls, path: Path):
             "(with generator/ and discriminator/ for ELECTRA) or an HF model folder"
         )
     try:
-        return cls.from_pretrained(path, attn_implementation="sdpa")
-    except (OSError, ValueError) as err:
-        raise UserError(f"--init-from: cannot load {path} ({err})") from None
+        model, info = cls.from_pretrained(path, attn_implementation="sdpa", output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as err:  # RuntimeError: a weight of another shape
+        raise UserError(f"--init-from: cannot load {path} ({str(err)[:300]})") from None
+    # A checkpoint of another class (a BertModel, a classifier) loads with its head missing, which HF only logs:
+    # pre-training would go on from a random head.
+    missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]
+    if missing:
+        raise UserError(f"--init-from: {path} lacks {len(missing)} weights of {cls.__name__} ({', '.join(missing[:3])}"
+                        f"{', ...' if len(missing) > 3 else ''}), which would start random; pass a checkpoint with the "
+                        "pre-training head (a BertForMaskedLM / BertForPreTraining, or `truneg export`'s folder)")
+    return model
