@@ -149,6 +149,13 @@ def test_export_writes_the_runs_own_tokenizer(runs, tmp_path):
     written = export(copy, tmp_path / "hf")
     exported = AutoTokenizer.from_pretrained(written["mlm"])
     assert exported.convert_ids_to_tokens([2000, 2001]) == [vocab[2000], vocab[2001]]
+    # an out_dir that is a file: one line (save_pretrained only logs it, and the copy of the vocab raised)
+    from truneg.errors import UserError
+
+    (tmp_path / "afile").write_text("keep me")
+    with pytest.raises(UserError, match="is a file; pass a folder"):
+        export(copy, tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "keep me"
 
 
 def test_export_round_trip_electra_zero3(runs, tmp_path):

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp = commands.add_parser("export", help="ZeRO checkpoint -> HF save_pretrained folder(s)")
     exp.add_argument("checkpoint", help="<output-dir>/checkpoints, a tag folder in it, or the output dir")
     exp.add_argument("out_dir")
-    exp.add_argument("--tokenizer", help="tokenizer folder to save beside the weights (default: bert-base-uncased)")
+    exp.add_argument("--tokenizer", help="tokenizer folder to save beside the weights (default: the run's own)")
     exp.set_defaults(func=_export)
 
     # preflight takes pretrain.py's arguments, parsed by truneg.preflight itself (see main)

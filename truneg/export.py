@@ -75,11 +75,13 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
     """Write each part with save_pretrained (and the tokenizer beside it). Returns {part: folder}."""
     from truneg.data import load_tokenizer
 
-    parts, _ = load_parts(checkpoint_path)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():  # save_pretrained would only log it
+        raise UserError(f"{out_dir} is a file; pass a folder to export into")
     if tokenizer_dir is None:
         tokenizer_dir = run_tokenizer_dir(checkpoint.resolve(checkpoint_path)[0])
-    tokenizer = load_tokenizer(tokenizer_dir)
-    out_dir = Path(out_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)  # before the consolidation, which takes minutes for BERT-large
+    parts, _ = load_parts(checkpoint_path)
     written = {}
     for name, model in parts.items():
         folder = out_dir if name == "mlm" else out_dir / name
