@@ -348,6 +348,15 @@ def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path
     assert sorted(p.name for p in folder.iterdir()) == ["global_step100", "latest"]
     checkpoint._clear(folder, "global_step100")
     assert not (folder / "latest").exists() and not list(folder.iterdir())  # a fresh start, not a dangling name
+    # META is written whole or not at all; one a file system lost (a power cut) is one line, not a traceback
+    from truneg.errors import UserError
+
+    (folder / "global_step400").mkdir()
+    checkpoint._commit(folder, "global_step400", 400, 2)
+    assert checkpoint.saved_world_size(folder, "global_step400") == 2 and checkpoint.latest_tag(folder) == "global_step400"
+    (folder / "global_step400" / checkpoint.META_FILE).write_text("")
+    with pytest.raises(UserError, match="truneg_meta.json is damaged; resume from another tag"):
+        checkpoint.saved_world_size(folder, "global_step400")
 
 
 def test_keep_checkpoints_counts_complete_ones_only(tmp_path):

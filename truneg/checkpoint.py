@@ -119,7 +119,12 @@ def universal_tag(tag: str) -> str:
 
 def saved_world_size(checkpoint_dir: Path, tag: str) -> int | None:
     meta = checkpoint_dir / tag / META_FILE
-    return json.loads(meta.read_text(encoding="utf-8"))["world_size"] if meta.is_file() else None
+    if not meta.is_file():
+        return None
+    try:
+        return json.loads(meta.read_text(encoding="utf-8"))["world_size"]
+    except (ValueError, KeyError):  # a file system that lost the write (power cut before it reached the disk)
+        raise UserError(f"{meta} is damaged; resume from another tag with --resume DIR") from None
 
 
 def convert_to_universal(checkpoint_dir: Path, tag: str) -> Path:
@@ -181,8 +186,10 @@ def _point_latest(checkpoint_dir: Path, tag: str) -> None:
 def _commit(checkpoint_dir: Path, tag: str, step: int, world_size: int) -> None:
     """After every rank wrote its part: the tag's META, then `latest` (atomic: it names a complete checkpoint
     or the old one)."""
-    meta = {"step": step, "world_size": world_size}
-    (checkpoint_dir / tag / META_FILE).write_text(json.dumps(meta) + "\n", encoding="utf-8")
+    meta = checkpoint_dir / tag / META_FILE
+    tmp = meta.with_name(META_FILE + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "world_size": world_size}) + "\n", encoding="utf-8")
+    os.replace(tmp, meta)  # atomic: a tag has a whole META or none
     _point_latest(checkpoint_dir, tag)
 
 
