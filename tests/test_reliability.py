@@ -54,6 +54,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
     config = json.loads((REPO / "ds_configs" / "cpu_zero2.json").read_text())
     (tmp_path / "batch.json").write_text(json.dumps({**config, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}))
     (tmp_path / "fp16.json").write_text(json.dumps({**config, "fp16": {"enabled": True}}))
+    (tmp_path / "decoupled.json").write_text(json.dumps({**config, "checkpoint": {"writer": {"decoupled": True}}}))
     SynonymTable.from_pairs([(1, 2)], ["[PAD]", "big", "large"], "tsv", {}).save(tmp_path / "other_vocab.npz")
     (tmp_path / "truncated.npz").write_bytes(SHIPPED_WORDNET_TABLE.read_bytes()[:5000])
     other_run = tmp_path / "other_run"
@@ -81,6 +82,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
         "malformed config": (["--deepspeed_config", str(tmp_path / "broken.json")], "is not valid JSON (line 1"),
         "batch sizes": (["--deepspeed_config", str(tmp_path / "batch.json")], "train_batch_size 10 does not split over 4"),
         "fp16 on cpu": (["--deepspeed_config", str(tmp_path / "fp16.json")], "fp16"),
+        "decoupled checkpoint writer": (["--deepspeed_config", str(tmp_path / "decoupled.json")],
+                                        "decoupled checkpoint writer (checkpoint.writer.decoupled"),
         "table for another vocab": (["--hc", str(tmp_path / "other_vocab.npz")], "built for vocab sha256"),
         "truncated table": (["--hc", str(tmp_path / "truncated.npz")], "corrupt or truncated"),
         "stale build lock": ([], "delete it if no build is running"),

@@ -241,6 +241,12 @@ def start_problems(args: argparse.Namespace, config: dict, world_size: int, capa
     scaling = check_fp16_loss_scaling(config)
     if scaling:
         problems.append(scaling)
+    writer = config.get("checkpoint", {}).get("writer") or {}
+    if writer.get("decoupled") or config.get("datastates_ckpt", False) is not False:
+        # it writes after save_checkpoint returns, when truneg marks the checkpoint complete (META, then `latest`)
+        problems.append("the config's decoupled checkpoint writer (checkpoint.writer.decoupled, datastates_ckpt) "
+                        "finishes in the background, after truneg has marked the checkpoint complete: a kill then "
+                        "leaves `latest` naming a half-written one; drop it (checkpoint.writer without decoupled is fine)")
     if args.init_from and not Path(args.init_from).is_dir():
         problems.append(f"--init-from {args.init_from} is not a folder; pass an HF checkpoint folder "
                         "(ELECTRA: one holding generator/ and discriminator/)")
