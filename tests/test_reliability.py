@@ -77,6 +77,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
         "seq-len too long": (["--seq-len", "1024"], "beyond the model's 512 positions"),
         "dropout out of range": (["--dropout", "1.5"], "--dropout 1.5 must be in [0, 1)"),
         "negative save steps": (["--save-steps", "-1"], "--save-steps must be >= 0"),
+        "sr-sent-target for electra": (["--model", "electra-tiny", "--sr", "sent", "--sr-sent-target", "original"],
+                                       "--sr-sent-target original is for BERT"),
         "resume and overwrite": (["--resume", str(other_run / "checkpoints"), "--overwrite"],
                                  "--overwrite starts afresh, --resume"),
         "malformed config": (["--deepspeed_config", str(tmp_path / "broken.json")], "is not valid JSON (line 1"),

@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the prediction HC judges (default: argmax for BERT, the generator's sample for ELECTRA)")
     parser.add_argument("--sr", choices=["none", "word", "sent"], default="none", help="soft regularization")
     parser.add_argument("--sr-weight", type=float, default=1.0)
-    parser.add_argument("--sr-sent-target", choices=["masked", "original"], default="masked",
-                        help="H_s of --sr sent: the masked sentence (the MLM's own pass, default) or the original")
+    parser.add_argument("--sr-sent-target", choices=["masked", "original"],
+                        help="H_s of --sr sent for BERT: the masked sentence (the MLM's own pass, default) or the "
+                             "original (ELECTRA's discriminator never sees [MASK]: it always takes the original)")
     parser.add_argument("--max-predictions", type=int,
                         help="masked positions per sequence, at most (default: 15%% of --seq-len rounded up to 4: "
                              "20 at 128, 80 at 512)")
@@ -74,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-checkpoints", type=int, default=0,
                         help="keep only the newest N complete checkpoints (0: keep all)")
     return deepspeed.add_config_arguments(parser)
+
+
+def _is_electra_run(args: argparse.Namespace) -> bool:
+    from truneg.models import DEFAULT_PRESET, ELECTRA_PRESETS, is_electra_checkpoint
+
+    if args.init_from and Path(args.init_from).is_dir():
+        return is_electra_checkpoint(Path(args.init_from))
+    return (args.model or DEFAULT_PRESET) in ELECTRA_PRESETS
 
 
 def argument_problems(args: argparse.Namespace) -> list[str]:
@@ -102,6 +111,9 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--lr {args.lr} must be > 0")
     if not args.sr_weight >= 0:
         problems.append(f"--sr-weight {args.sr_weight} must be >= 0")
+    if args.sr_sent_target is not None and _is_electra_run(args):
+        problems.append(f"--sr-sent-target {args.sr_sent_target} is for BERT: ELECTRA's --sr sent always encodes the "
+                        "original sentence (its discriminator never sees [MASK]); drop the flag")
     if args.overwrite and args.resume not in ("auto", "none"):  # it would start afresh, the checkpoint unread
         problems.append(f"--overwrite starts afresh, --resume {args.resume} continues a checkpoint: to continue it in "
                         "a folder that holds another run, choose an empty --output-dir instead")

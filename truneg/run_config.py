@@ -59,6 +59,7 @@ class RunConfig:
         values["train_data"] = list(args.train_data)
         values["output_dir"] = Path(args.output_dir)
         values["max_predictions"] = args.max_predictions or default_max_predictions(args.seq_len)
+        values["sr_sent_target"] = args.sr_sent_target or "masked"  # ELECTRA takes the original whatever it says
         if args.data_workers is None:  # background masking where a GPU waits for it; on CPU ranks it takes a core
             import torch
 
