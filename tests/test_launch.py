@@ -78,13 +78,21 @@ def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote
     written = write_env_file(path, {}, carry_over=[], forwarded=forwarded_env(shell), launcher="slurm", environ=shell)
     assert "NCCL_IB_HCA" not in written and "NCCL_IB_HCA" not in path.read_text() and "CUDA_HOME" in written
     assert "NCCL_IB_HCA" in write_env_file(path, {}, carry_over=[], forwarded=forwarded_env(shell), environ=shell)
-    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo holds a comma or a character DeepSpeed"):
+    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo would reach the ranks mangled: srun's"):
         write_env_file(tmp_path / "slurm_env", {}, carry_over=[user], launcher="slurm", environ=shell)
     assert not (tmp_path / "slurm_env").exists()
+    # ... unless DeepSpeed passes the shell's variable on itself (NCCL_* from a node with a GPU): then refused too
+    with pytest.raises(UserError, match=r"NCCL_IB_HCA=mlx5_0,mlx5_1 would reach the ranks mangled: DeepSpeed passes"):
+        write_env_file(tmp_path / "slurm_env", {}, carry_over=[], forwarded=forwarded_env(shell), launcher="slurm",
+                       environ=shell, runner_exports=("PYTHON", "UCX", "NCCL"))
     # openmpi and the other MPI launchers start no shell: DeepSpeed's quotes would reach the ranks
-    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo would reach the ranks in double quotes"):
+    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo would reach the ranks mangled: DeepSpeed quotes"):
         write_env_file(tmp_path / "mpi_env", {}, carry_over=[user], launcher="openmpi", environ=shell)
     assert not (tmp_path / "mpi_env").exists()
+    # PATH's entries DeepSpeed would quote are left out for those launchers, but not the venv's bin (its ninja)
+    assert forwarded_env({"PATH": "/a~b/bin:/bin"}, venv_bin="/v/bin", launcher="openmpi")["PATH"] == "/v/bin:/bin"
+    with pytest.raises(UserError, match="the venv's /home/a~b/v/bin holds a character"):
+        forwarded_env({"PATH": "/bin"}, venv_bin="/home/a~b/v/bin", launcher="openmpi")
 
 
 def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_and_the_venvs_path(tmp_path, monkeypatch):
@@ -111,6 +119,17 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
     assert written == {"TRUNEG_CACHE": "/scratch/tok", "HF_HOME": "/shared/hf", "NLTK_DATA": "/shared/nltk",
                        "TORCH_EXTENSIONS_DIR": hostfile.launch_env()["TORCH_EXTENSIONS_DIR"],  # the default
                        "MASTER_ADDR": "node-01", "PATH": f"{venv_bin}:/usr/bin:/bin"}  # an entry with a space left out
+    # a value DeepSpeed would quote stops an openmpi launch over two nodes; on one node DeepSpeed reads no env file
+    # (the ranks inherit this shell) and nothing is refused
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "^lo")
+    with pytest.raises(SystemExit) as refused:
+        hostfile.main([str(hosts), "--env-file", str(tmp_path / "two_env"), "--launcher-args=--launcher openmpi"])
+    assert refused.value.code == 2
+    one = tmp_path / "one_host"
+    one.write_text("node-01 slots=8\n")
+    hostfile.main([str(one), "--env-file", str(tmp_path / "one_env"), "--launcher-args=--launcher openmpi"])
+    assert "NCCL_SOCKET_IFNAME=^lo" in (tmp_path / "one_env").read_text()
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
     # over pdsh (the default) each node keeps its own PATH: the venv is activated there
     hostfile.main([str(hosts), "--env-file", str(tmp_path / "pdsh_env")])
     assert "PATH" not in dict(line.split("=", 1) for line in (tmp_path / "pdsh_env").read_text().splitlines())

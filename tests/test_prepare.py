@@ -124,6 +124,21 @@ def test_parts_merged_equal_one_preparation(tmp_path, corpus, tokenizer):
     assert merged.fingerprint == whole.fingerprint and len(merged) == len(whole)
     assert (merged[np.arange(len(merged))] == whole[np.arange(len(whole))]).all()
     assert {**shard_bytes(tmp_path / "shared"), **shard_bytes(tmp_path / "other")} == shard_bytes(whole.folder)
+    # a part prepared before folders recorded the tokenizer probe merges with newer ones (checked on the vocab),
+    # and its committed shards count when a killed preparation is run again after the change
+    import json
+
+    old_part = tmp_path / "other" / "part-1-of-3.json"
+    record = json.loads(old_part.read_text())
+    del record["settings"]["tokenizer_probe"]
+    old_part.write_text(json.dumps(record))
+    merged = open_prepared(prepare.merge([tmp_path / "shared", tmp_path / "other"], tmp_path / "merged_old"))
+    assert merged.fingerprint == whole.fingerprint and "tokenizer_probe" not in merged.index
+    settings = prepare.plan(str(corpus), tokenizer, SEQ, unit_bytes=UNIT)[0]
+    shard_record = next((tmp_path / "other" / "shards").glob("*.json"))
+    committed = json.loads(shard_record.read_text())
+    shard_record.write_text(json.dumps({**committed, "settings": prepare.settings_key(prepare._before_probe(settings))}))
+    assert prepare._committed(tmp_path / "other", committed["unit_spec"], settings) is not None
 
 
 def test_parts_claiming_one_shared_folder_at_once_both_go_on(tmp_path, corpus, tokenizer, monkeypatch):

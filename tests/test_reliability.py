@@ -362,18 +362,20 @@ def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path
 
 def test_keep_checkpoints_counts_complete_ones_only(tmp_path):
     """A preemption's save cut by the launcher's SIGKILL (no META) is no checkpoint: --keep-checkpoints 2 keeps
-    the two newest complete ones and removes the cut one with the older."""
+    the two newest complete ones. A cut tag goes once two complete ones are newer (a run may have resumed from it
+    by name: it stays as long as the old rule kept it)."""
     from truneg import checkpoint
 
     folder = tmp_path / "checkpoints"
-    for step in (100, 150, 200, 250):
+    for step in (100, 150, 200, 220, 250):
         (folder / f"global_step{step}").mkdir(parents=True)
-        if step != 200:
+        if step not in (150, 220):
             (folder / f"global_step{step}" / checkpoint.META_FILE).write_text("{}")
     (folder / "global_step300").mkdir()  # a save under way past `latest`: not touched
     (folder / "latest").write_text("global_step250")
-    assert checkpoint.remove_old(folder, 2) == ["global_step100", "global_step200"]
-    assert sorted(p.name for p in folder.iterdir()) == ["global_step150", "global_step250", "global_step300", "latest"]
+    assert checkpoint.remove_old(folder, 2) == ["global_step100", "global_step150"]
+    assert sorted(p.name for p in folder.iterdir()) == ["global_step200", "global_step220", "global_step250",
+                                                         "global_step300", "latest"]
 
 
 def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, launch_env, small_corpus):

@@ -64,3 +64,17 @@ def test_a_relative_and_an_absolute_path_to_the_same_init_or_table_are_the_same_
     other = cfg(str(tmp_path / "other"), str(tmp_path / "my.npz"))
     with pytest.raises(UserError, match="holds another run's checkpoints"):
         claim_output_dir(other, identity(other, "t"), rank=0)
+
+
+def test_an_electra_run_recorded_with_sr_sent_target_original_resumes_without_the_flag(tmp_path):
+    """--sr-sent-target is refused for ELECTRA now (it changed nothing there); a run recorded with it resumes."""
+    cfg = RunConfig.from_args(parse_args(["--model", "electra-tiny", "--sr", "sent", "--output-dir", str(tmp_path)]))
+    parts = {"architecture": {"family": "electra", "layers": 2}, "synonym_table": None, "data": "prepared-abc"}
+    claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)
+    (tmp_path / "checkpoints" / "global_step5").mkdir(parents=True)
+    record = json.loads((tmp_path / RUN_FILE).read_text())
+    (tmp_path / RUN_FILE).write_text(json.dumps({**record, "sr_sent_target": "original"}))  # as an older truneg wrote
+    claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)
+    (tmp_path / RUN_FILE).write_text(json.dumps({**record, "sr": "word"}))  # another run is still refused
+    with pytest.raises(UserError, match="holds another run's checkpoints"):
+        claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)

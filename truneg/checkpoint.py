@@ -194,18 +194,21 @@ def _commit(checkpoint_dir: Path, tag: str, step: int, world_size: int) -> None:
 
 
 def remove_old(checkpoint_dir: Path, keep: int) -> list[str]:
-    """Keep the newest `keep` complete checkpoints (rank 0, after `latest` names the newest); a save that was cut
-    before them (a preemption's, killed mid-save) counts for none and goes too. A tag is first renamed (atomic)
-    and then deleted, so a kill half-way leaves only a `*.deleting` folder, which the next call clears; `latest`
-    and every kept tag stay whole. Returns the tags removed."""
+    """Keep the newest `keep` complete checkpoints (rank 0, after `latest` names the newest). A tag without META
+    (a save that was cut, as a preemption's killed mid-save) counts for none, and goes once `keep` complete ones
+    are newer than it (a run may have resumed from it by name). A tag is first renamed (atomic) and then deleted,
+    so a kill half-way leaves only a `*.deleting` folder, which the next call clears; `latest` and every kept tag
+    stay whole. Returns the tags removed."""
     for leftover in checkpoint_dir.glob(f"*{DELETING_SUFFIX}"):
         shutil.rmtree(leftover, ignore_errors=True)
     if keep < 1:
         return []
     latest = latest_tag(checkpoint_dir)
     tags = [t for t in list_tags(checkpoint_dir) if latest is None or step_of_tag(t) <= step_of_tag(latest)]
-    kept = [t for t in tags if (checkpoint_dir / t / META_FILE).is_file()][-keep:]
-    removed = [t for t in tags if t not in kept and t != latest]
+    complete = [t for t in tags if (checkpoint_dir / t / META_FILE).is_file()]
+    kept = complete[-keep:]
+    removed = [t for t in tags if t not in kept and t != latest
+               and (t in complete or sum(step_of_tag(c) > step_of_tag(t) for c in complete) >= keep)]
     for tag in removed:
         _remove_tag(checkpoint_dir, tag)
     return removed

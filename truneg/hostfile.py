@@ -97,6 +97,9 @@ def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | 
     forwarded = {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARDED_PREFIXES) or k in names}
     if launcher != "pdsh" and "PATH" in environ:
         venv_bin = str(venv_bin or Path(sys.prefix) / "bin")
+        if not UNQUOTED_VALUE.match(venv_bin):  # it would be left out below, and the nodes would find no ninja
+            raise UserError(f"the venv's {venv_bin} holds a character DeepSpeed's {launcher} launcher would pass on "
+                            "quoted in PATH; put the repo and its venv under a path of [A-Za-z0-9_@%+=:,./-]")
         entries = [venv_bin] + [e for e in environ["PATH"].split(os.pathsep) if e and e != venv_bin]
         forwarded["PATH"] = os.pathsep.join(e for e in entries if UNQUOTED_VALUE.match(e))
     return forwarded
@@ -127,7 +130,8 @@ def deepspeed_env_files(environ: dict[str, str] | None = None) -> list[Path]:
 
 def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Path] | None = None,
                    forwarded: dict[str, str] | None = None, defaults: dict[str, str] | None = None,
-                   launcher: str = "pdsh", environ: dict[str, str] | None = None) -> dict[str, str]:
+                   launcher: str = "pdsh", environ: dict[str, str] | None = None,
+                   runner_exports: tuple[str, ...] = ()) -> dict[str, str]:
     """Write `NAME=value` lines DeepSpeed's launcher reads (DS_ENV_FILE), each over the ones before:
     `defaults`, `forwarded` (this shell's), the lines of `carry_over` files (default: ~/.deepspeed_env and
     ./.deepspeed_env, which an absolute DS_ENV_FILE hides; over the forwarded ones as in DeepSpeed's runner),
@@ -137,7 +141,9 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
     reach the ranks with its quotes, and is refused. The slurm launcher hands the lines to `srun
     --export=ALL,NAME=value,...`, which also cuts a value at its first comma (NCCL_IB_HCA=mlx5_0,mlx5_1 would
     reach the ranks as mlx5_0): there such lines are left out where this shell (`environ`) holds the same
-    value, which --export=ALL passes whole."""
+    value, which --export=ALL passes whole. `launcher` is "pdsh" where DeepSpeed reads no env file (one node).
+    `runner_exports`: the prefixes of the variables DeepSpeed's runner passes on from this shell itself
+    (PYTHON*, UCX*, ...; NCCL* from a node with a GPU), checked the same way."""
     path = Path(path)
     environ = dict(os.environ if environ is None else environ)
     if carry_over is None:
@@ -151,19 +157,22 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
         if UNSAFE_VALUE.search(value):
             raise UserError(f"{key}={value!r} holds a space, quote, $, ` or \\, which the remote shell of DeepSpeed's "
                             "launcher would split or expand; choose a value without them")
-    if launcher == "slurm":
-        for key, value in [(k, v) for k, v in merged.items() if "," in v or not UNQUOTED_VALUE.match(v)]:
-            if environ.get(key) != value:
-                raise UserError(f"{key}={value} holds a comma or a character DeepSpeed quotes, which srun's --export "
-                                f"(its slurm launcher) would cut or keep; export {key}={value} in this shell instead "
-                                "(--export=ALL passes it whole)")
-            del merged[key]
-    elif launcher != "pdsh":
-        for key, value in merged.items():
-            if not UNQUOTED_VALUE.match(value):
-                raise UserError(f"{key}={value} would reach the ranks in double quotes: DeepSpeed quotes a value with "
-                                f"characters outside [A-Za-z0-9_@%+=:,./-], and its {launcher} launcher starts no shell "
-                                "to remove them; choose such a value (NCCL_*: or set it in ~/.nccl.conf on every node)")
+    if launcher != "pdsh":
+        def mangled(value: str) -> bool:  # quoted by DeepSpeed; over srun also cut at a comma
+            return not UNQUOTED_VALUE.match(value) or (launcher == "slurm" and "," in value)
+
+        how = ("srun's --export (its slurm launcher) would cut it or keep the quotes" if launcher == "slurm" else
+               f"DeepSpeed quotes it, and its {launcher} launcher starts no shell to remove the quotes")
+        for key, value in sorted(environ.items()):
+            if key.startswith(runner_exports) and mangled(value):
+                raise UserError(f"{key}={value} would reach the ranks mangled: DeepSpeed passes this shell's {key} on "
+                                f"itself, and {how}; unset it here (NCCL_*: set it in ~/.nccl.conf on every node)")
+        for key, value in [(k, v) for k, v in merged.items() if mangled(v)]:
+            if launcher != "slurm" or environ.get(key) != value:
+                raise UserError(f"{key}={value} would reach the ranks mangled: {how}; choose a value of "
+                                "[A-Za-z0-9_@%+=:./-] (over slurm: or export it in this shell, which --export=ALL "
+                                "passes whole)")
+            del merged[key]  # srun's --export=ALL passes this shell's own value whole
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(f"{key}={value}\n" for key, value in merged.items()), encoding="utf-8")
@@ -319,9 +328,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.gpu_arch:
             values[GPU_ARCH_ENV] = args.gpu_arch
         # deepspeed's default launcher without options (its parser costs an import of deepspeed)
-        launcher = launcher_options(args.launcher_args).launcher.lower() if args.launcher_args.strip() else "pdsh"
+        launcher, runner_exports = "pdsh", ()
+        if args.launcher_args.strip():
+            from deepspeed.accelerator import get_accelerator
+            from deepspeed.launcher.runner import EXPORT_ENVS
+
+            options = launcher_options(args.launcher_args)
+            nodes = launched_resources(pool, 0, args.launcher_args)[0]
+            if (options.force_multi or len(nodes) > 1) and not options.no_ssh:  # DeepSpeed reads the file only then
+                launcher = options.launcher.lower()
+                runner_exports = tuple(EXPORT_ENVS + get_accelerator().export_envs())
         written = write_env_file(args.env_file, values, defaults=defaults, forwarded=forwarded_env(launcher=launcher),
-                                 launcher=launcher)
+                                 launcher=launcher, runner_exports=runner_exports)
         print(f"{args.env_file}: " + " ".join(f"{k}={v}" for k, v in written.items()))
     else:
         print(f"{args.hostfile}: {len(pool)} nodes, {sum(pool.values())} slots: " + ", ".join(f"{h}={s}" for h, s in pool.items()))

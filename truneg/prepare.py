@@ -123,6 +123,18 @@ def settings_key(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
+def _before_probe(settings: dict) -> dict:
+    """The settings as a preparation begun before folders recorded the tokenizer probe wrote them."""
+    return {k: v for k, v in settings.items() if k != "tokenizer_probe"}
+
+
+def _same_preparation(old: dict, new: dict) -> bool:
+    """Equal settings; one side written before the probe was recorded is compared on the rest."""
+    if "tokenizer_probe" not in old or "tokenizer_probe" not in new:
+        return _before_probe(old) == _before_probe(new)
+    return old == new
+
+
 # ---------------------------------------------------------------------------------------------------
 # Workers: one unit -> one shard
 # ---------------------------------------------------------------------------------------------------
@@ -212,7 +224,9 @@ def _committed(folder: Path, unit: dict, settings: dict) -> dict | None:
         return None
     shard = folder / record["file"]
     size = record["blocks"] * settings["seq_len"] * np.dtype(settings["dtype"]).itemsize
-    if record.get("settings") != settings_key(settings) or record.get("unit_spec") != unit:
+    # (a shard committed before the probe was recorded is kept if the rest agrees)
+    keys = (settings_key(settings), settings_key(_before_probe(settings)))
+    if record.get("settings") not in keys or record.get("unit_spec") != unit:
         return None
     if not shard.is_file() or shard.stat().st_size != size:
         return None
@@ -236,9 +250,7 @@ def _claim(folder: Path, settings: dict) -> None:
         (folder / SHARDS).mkdir(parents=True, exist_ok=True)
         _write_json(path, settings)
     old = _read_json(path)
-    if "tokenizer_probe" not in old:  # a preparation begun before folders had it: the rest must agree
-        settings = {k: v for k, v in settings.items() if k != "tokenizer_probe"}
-    if old != settings:
+    if not _same_preparation(old, settings):
         what = [k for k in ("seq_len", "tokenizer", "dtype", "sources", "units") if old.get(k) != settings.get(k)]
         raise UserError(f"{folder} holds a preparation with another {', '.join(what) or 'format'}; "
                         "choose another --out (or delete that folder to replace it)")
@@ -316,9 +328,10 @@ def write_index(out: Path, settings: dict, records: list[dict], base: Path) -> d
         raise UserError(f"the corpus has {sum(r['tokens'] for r in records)} tokens, fewer than one block of "
                         f"--seq-len {settings['seq_len']}")
     index = {"format": FORMAT, "seq_len": settings["seq_len"], "dtype": settings["dtype"],
-             "tokenizer": settings["tokenizer"], "tokenizer_probe": settings["tokenizer_probe"],
-             "source_fingerprint": source, "sources": settings["sources"],
+             "tokenizer": settings["tokenizer"], "source_fingerprint": source, "sources": settings["sources"],
              "blocks": total, "tokens": sum(r["tokens"] for r in records), "shards": shards}
+    if "tokenizer_probe" in settings:  # not in parts prepared before it was recorded: checked on the vocab alone
+        index["tokenizer_probe"] = settings["tokenizer_probe"]
     # (not the probe: a run recorded this fingerprint before folders had one, and resumes when it is the same)
     index["fingerprint"] = hashlib.sha256(json.dumps(
         [FORMAT, settings["seq_len"], settings["dtype"], settings["tokenizer"], source,
@@ -341,8 +354,10 @@ def merge(dirs: Sequence[str | Path], out: str | Path) -> Path:
             raise UserError(f"{d} holds no finished part (part-I-of-N.json); finish its `truneg prepare --part` first")
         found += [(d, _read_json(p)) for p in parts]
     settings = found[0][1]["settings"]
-    if any(p["settings"] != settings for _, p in found):
+    if any(not _same_preparation(p["settings"], settings) for _, p in found):
         raise UserError("the parts were prepared with different corpora, tokenizers or --seq-len; merge parts of one preparation")
+    if any("tokenizer_probe" not in p["settings"] for _, p in found):  # a part prepared before the probe
+        settings = _before_probe(settings)
     count = found[0][1]["part"][1]
     have = {p["part"][0] for _, p in found if p["part"][1] == count}
     if any(p["part"][1] != count for _, p in found) or have != set(range(count)):
@@ -356,7 +371,7 @@ def merge(dirs: Sequence[str | Path], out: str | Path) -> Path:
             if not shard.is_file():
                 raise UserError(f"{shard} is missing; prepare part {p['part'][0]}/{count} again")
             records.append({**r, "file": os.path.relpath(shard.resolve(), out.resolve())})
-    if (out / SETTINGS).is_file() and _read_json(out / SETTINGS) != settings:
+    if (out / SETTINGS).is_file() and not _same_preparation(_read_json(out / SETTINGS), settings):
         raise UserError(f"{out} holds another preparation; choose another --out")
     write_index(out, settings, records, out)
     return out
