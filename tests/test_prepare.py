@@ -138,7 +138,8 @@ def test_parts_merged_equal_one_preparation(tmp_path, corpus, tokenizer):
     shard_record = next((tmp_path / "other" / "shards").glob("*.json"))
     committed = json.loads(shard_record.read_text())
     shard_record.write_text(json.dumps({**committed, "settings": prepare.settings_key(prepare._before_probe(settings))}))
-    assert prepare._committed(tmp_path / "other", committed["unit_spec"], settings) is not None
+    keys = prepare._settings_keys(settings)
+    assert prepare._committed(tmp_path / "other", committed["unit_spec"], settings, keys) is not None
 
 
 def test_parts_claiming_one_shared_folder_at_once_both_go_on(tmp_path, corpus, tokenizer, monkeypatch):

@@ -214,7 +214,14 @@ def _prepare_unit(job: dict) -> dict:
     return record
 
 
-def _committed(folder: Path, unit: dict, settings: dict) -> dict | None:
+def _settings_keys(settings: dict) -> tuple[str, str]:
+    """The settings keys a committed shard may carry: these settings', or theirs before the probe was recorded
+    (such a shard is kept if the rest agrees)."""
+    return settings_key(settings), settings_key(_before_probe(settings))
+
+
+def _committed(folder: Path, unit: dict, settings: dict, keys: tuple[str, str]) -> dict | None:
+    """The unit's committed record, if its shard is whole and was made with these settings (`_settings_keys`)."""
     meta = folder / SHARDS / f"{unit['index']:06d}.json"
     if not meta.is_file():
         return None
@@ -224,8 +231,6 @@ def _committed(folder: Path, unit: dict, settings: dict) -> dict | None:
         return None
     shard = folder / record["file"]
     size = record["blocks"] * settings["seq_len"] * np.dtype(settings["dtype"]).itemsize
-    # (a shard committed before the probe was recorded is kept if the rest agrees)
-    keys = (settings_key(settings), settings_key(_before_probe(settings)))
     if record.get("settings") not in keys or record.get("unit_spec") != unit:
         return None
     if not shard.is_file() or shard.stat().st_size != size:
@@ -272,7 +277,8 @@ def prepare(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase,
     _claim(out, settings)
     index, count = part
     mine = [u for u in units if u["index"] % count == index]
-    done = {u["index"]: r for u in mine if (r := _committed(out, u, settings))}
+    keys = _settings_keys(settings)  # once: the settings hold every source file's entry
+    done = {u["index"]: r for u in mine if (r := _committed(out, u, settings, keys))}
     todo = [u for u in mine if u["index"] not in done]
     for stale in (out / SHARDS).glob("*.tmp"):  # a killed run's half-written shards of this part
         if int(stale.name[:6]) % count == index:
