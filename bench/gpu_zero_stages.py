@@ -101,7 +101,9 @@ def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", mic
     from truneg import loop, pretrain
 
     config = json.loads((DS_CONFIGS / f"{model.replace('-', '_')}_a100_bf16_zero1.json").read_text())
-    config["zero_optimization"] = {"stage": stage}
+    # the shipped settings (overlap_comm, contiguous_gradients, 5e7 buckets) at another stage; until 2026-12-01 this
+    # replaced the section, so the H200 figures of 2026-11-30 ran DeepSpeed's defaults for them
+    config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": stage}
     if stage == 0:  # DeepSpeed refuses fp32 gradient accumulation with bf16 at stage 0
         config.pop("data_types", None)
     for section, values in (edits or {}).items():

@@ -7,8 +7,10 @@ The models keep their layers, heads, parameter tensors and ops (24 layers and 16
 for ELECTRA-base) but are 64-96 wide, at micro-batch 2 and seq 32: what is left of a step is the host's own
 work (Python, the dispatcher, autograd, DeepSpeed's per-parameter loops), which on a GPU is the time to
 launch the kernels and does not shrink with a faster device; only more samples per micro-step spread it.
-Some arithmetic stays (the 30,522-word embedding and output layer, 2-3 M multiply-adds), so the floor is an
-upper bound of the host's work on this machine.
+Some arithmetic stays: about 0.7 GFLOP per micro-step of narrow BERT-large, forward and backward (torch's
+flop counter), and dropout's random numbers, drawn on the CPU here (dropout 0 made a step about 13 % faster in
+a side-by-side check); under the profiler the matrix products took about a fifth of the CPU time. So the floor
+is an upper bound of the host's work, on this machine's CPU, not the GPU host's.
 
 Each variant is truneg's own step (`truneg.pretrain.main` in this process, 1 rank, the shipped bf16 config
 with torch AdamW in place of FusedAdam, which needs a GPU), beside a plain torch loop (bf16 weights, torch

@@ -172,9 +172,13 @@ def comparable(records: list[dict]) -> list[dict]:
 
 
 def mid_run_copy(reference_dir: Path, out: Path) -> int:
-    """The reference run's folder copied to `out` as it stood at its last checkpoint but one (step 16); that step."""
+    """The reference run's folder copied to `out` as it stood at its last checkpoint but one (step 16), with the
+    records of the steps after it marked (loss -1), as a killed run may leave them: a resume must rewrite them, not
+    keep them. Returns that step."""
     shutil.copytree(reference_dir, out)
     resumed_from = MAX_STEPS - SAVE_STEPS
+    records = [{**r, "loss": -1.0} if r["step"] > resumed_from else r for r in read_metrics(out)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / "checkpoints" / "latest").write_text(f"global_step{resumed_from}")
     shutil.rmtree(out / "checkpoints" / f"global_step{MAX_STEPS}")
     return resumed_from

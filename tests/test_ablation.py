@@ -69,7 +69,8 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
     monkeypatch.setattr(truneg.export, "export", lambda *a, **k: None)
     monkeypatch.setattr(truneg.glue, "finetune", lambda *a, **k: {"accuracy": 0.75, "f1": 0.8})
     args = argparse.Namespace(tasks="mrpc", glue_dir=str(tmp_path / "glue"), output_dir=str(tmp_path / "out"), steps=6,
-                              epochs=None, lr=1e-4, batch_size=32, max_train_samples=None, seed=42, preset="bert-tiny")
+                              epochs=None, lr=1e-4, batch_size=32, max_train_samples=None, seed=42, preset="bert-tiny",
+                              init_from=None)
     for variant, step in (("baseline", 6), ("HC", 3), ("SR", 6), ("HC+SR", 0)):
         checkpoints = tmp_path / "out" / variant.replace("+", "_") / "checkpoints"
         checkpoints.mkdir(parents=True)
@@ -88,3 +89,26 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
     monkeypatch.setattr(ablation, "pretrain", lambda variant, args, out: None)
     with pytest.raises(UserError, match="pre-training SR stopped at global_step2, short of --steps 6"):
         ablation.run_ablation(args)
+
+
+def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags(tmp_path, monkeypatch):
+    """What `truneg ablation` hands the deepspeed launcher for each variant: the same preset, data, steps, seed,
+    config and --init-from (the paper continued public checkpoints), and only its own --hc / --sr."""
+    import subprocess as sp
+
+    from truneg import ablation
+    from truneg.cli import build_parser
+
+    commands = []
+    monkeypatch.setattr(ablation.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or sp.CompletedProcess(cmd, 0))
+    args = build_parser().parse_args(["ablation", "--preset", "electra-base", "--init-from", "/ckpt/electra-base",
+                                      "--seq-len", "512", "--steps", "200", "--deepspeed_config", "c.json", "--num-gpus", "8"])
+    for variant in ablation.VARIANTS:
+        ablation.pretrain(variant, args, tmp_path / variant)
+    for variant, cmd in zip(ablation.VARIANTS, commands):
+        assert cmd[1:3] == ["--num_gpus", "8"] and cmd[cmd.index("--init-from") + 1] == "/ckpt/electra-base"
+        assert [cmd[cmd.index(f) + 1] for f in ("--model", "--seq-len", "--max-steps", "--deepspeed_config")] == [
+            "electra-base", "512", "200", "c.json"]
+        objectives = [(f, cmd[i + 1]) for i, f in enumerate(cmd) if f in ("--hc", "--sr")]
+        assert objectives == {"baseline": [], "HC": [("--hc", "wordnet")], "SR": [("--sr", "word")],
+                              "HC+SR": [("--hc", "wordnet"), ("--sr", "word")]}[variant], variant

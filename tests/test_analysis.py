@@ -58,16 +58,17 @@ def predict_from_gold(patch: pytest.MonkeyPatch, predict) -> None:
 def test_evaluate_counts_synonym_predictions_of_a_stub_mlm(monkeypatch):
     tokenizer = load_tokenizer()
     table = SynonymTable.load(SHIPPED_WORDNET_TABLE)
-    primary, main, house = (table.token_to_id[w] for w in ("primary", "main", "house"))
+    # "run" is in the synonym row of "ran", not "ran" in that of "run": the row read must be the gold token's
+    ran, run, house = (table.token_to_id[w] for w in ("ran", "run", "house"))
     rng = np.random.default_rng(0)
-    blocks = rng.choice([primary, house], size=(40, 16)).astype(np.int32)
+    blocks = rng.choice([ran, house], size=(40, 16)).astype(np.int32)
     blocks[:, 0], blocks[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
 
     from truneg import masking
 
     real_mask = masking.mask_tokens
-    # predicts "main" where the gold is "primary", and the gold itself elsewhere
-    predict_from_gold(monkeypatch, lambda gold: torch.where(gold == primary, torch.full_like(gold, main), gold))
+    # predicts "run" where the gold is "ran", and the gold itself elsewhere
+    predict_from_gold(monkeypatch, lambda gold: torch.where(gold == ran, torch.full_like(gold, run), gold))
     mlm = models.build_pretrainer("bert-tiny", models.ObjectiveConfig()).mlm
     counts, cases = evaluate(mlm, blocks, tokenizer, SynonymLookup(table), seed=3, batch_size=16, max_cases=3, table=table)
     # the hand reference: the same masks, drawn by the same pure function
@@ -75,11 +76,11 @@ def test_evaluate_counts_synonym_predictions_of_a_stub_mlm(monkeypatch):
                       np.arange(40), masking.default_max_predictions(16))
     gold = batch["original_ids"].gather(1, batch["masked_positions"])
     labels = torch.where(batch["masked_valid"], gold, -100).numpy()
-    expected_fn = int((labels == primary).sum())
+    expected_fn = int((labels == ran).sum())
     assert counts.masked == int((labels != -100).sum()) and counts.sequences == 40
     assert counts.corrected == counts.mismatched == expected_fn > 0
-    assert counts.sequences_corrected == int((labels == primary).any(axis=1).sum())
-    assert len(cases) == 3 and all(c.gold == "primary" and c.pred == "main" and "main" in c.synonyms for c in cases)
+    assert counts.sequences_corrected == int((labels == ran).any(axis=1).sum())
+    assert len(cases) == 3 and all(c.gold == "ran" and c.pred == "run" and "run" in c.synonyms for c in cases)
 
 
 def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):

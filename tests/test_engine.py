@@ -39,6 +39,10 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs):
                 "hc_iter_ratio", "hc_pred_ratio", "hc_corrected", "disc_accuracy", "mlm_accuracy",
                 "mlm_argmax_accuracy", "mlm_sampled_accuracy", "nonfinite_steps", "skipped_steps"):
         assert key in records[-1], key
+    for r in records:  # ELECTRA's objective: the generator's MLM loss, 50 x the discriminator's, + SR (weight 1)
+        assert r["loss"] == pytest.approx(r["gen_loss"] + 50 * r["disc_loss"] + r["sr_loss"], rel=1e-5), r
+    for r in read_metrics(runs("bert-zero2")[0]):  # BERT's: MLM + SR
+        assert r["loss"] == pytest.approx(r["mlm_loss"] + r["sr_loss"], rel=1e-5), r
     first, last = sum(r["loss"] for r in records[:4]) / 4, sum(r["loss"] for r in records[-4:]) / 4
     assert last < first * 0.9, (first, last)
     assert records[-1]["samples"] == MAX_STEPS * 4 * 2  # two ranks really trained
@@ -261,10 +265,8 @@ atexit.register(_report)  # registered first, so it runs last
 """
 
 
-def test_hc_ratios_are_live_on_real_novels_and_ranks_end_without_a_process_group(tmp_path, launch_env):
-    from conftest import NOVELS, need_shared
-
-    corpus = need_shared(NOVELS) / "Austen_Emma.txt"
+def test_hc_ratios_are_live_on_a_real_novel_and_ranks_end_without_a_process_group(tmp_path, launch_env):
+    corpus = REPO / "truneg" / "assets" / "corpus" / "austen_pride_and_prejudice.txt"  # shipped: no shared data needed
     out = tmp_path / "novels"
     (tmp_path / "probe").mkdir()
     (tmp_path / "probe" / "sitecustomize.py").write_text(EXIT_PROBE)

@@ -84,6 +84,13 @@ def test_stage2_resume_after_kill_matches_the_uninterrupted_run(dry_run):
                       r"(\S+) over (\d+) losses", line)
     assert match, line
     assert int(match[1]) < 12 and int(match[3]) >= 12 - int(match[1]) and float(match[2]) <= 1e-5
+    # the script's verdict checked from the two runs' own records: every step after the kill, in both
+    stage2 = dry_run[1].parent / "work" / "stage2"
+    ref, got = ({r["step"]: r for r in map(json.loads, (stage2 / run / "metrics.jsonl").read_text().splitlines())}
+                for run in ("reference", "killed"))
+    assert set(range(int(match[1]) + 1, 13)) <= set(got) and len(ref) == 12
+    for step in range(int(match[1]) + 1, 13):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
 
 
 def test_stage3_counts_no_host_sync_in_forward_and_backward(cut_run):

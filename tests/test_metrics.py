@@ -4,6 +4,7 @@ drops."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -96,6 +97,46 @@ def test_the_first_throughput_after_a_resume_counts_only_the_samples_trained_sin
     tags = {tag for tag, _, _ in events}
     assert {"Train/Samples/loss", "Train/Samples/samples_per_sec"} <= tags and "Train/Samples/lr" not in tags
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["lr"] == 1e-4
+
+
+def test_each_record_field_is_its_formula_over_both_ranks_sums(tmp_path, monkeypatch):
+    """Two ranks (faked: the all-reduce doubles, as a second rank with the same sums would add them): the losses
+    are means over finite micro-steps, the ratios are HC's and the accuracies are per masked / scored token, and the
+    skipped steps, which every rank counts, are counted once."""
+    monkeypatch.setattr("truneg.metrics.dist", SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 2,
+                                                               all_reduce=lambda t: t.mul_(2)))
+    engine = SimpleNamespace(global_samples=24, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=3,
+                             monitor=SimpleNamespace(write_events=lambda events: None))
+    now = [10.0]
+    monkeypatch.setattr("truneg.metrics.time.perf_counter", lambda: now[0])
+    metrics = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=128, rank=0)
+    sums = {"gen_loss": 0.0, "disc_loss": 0.0, "masked": 0.0, "mismatched": 0.0, "corrected": 0.0, "sequences": 0.0,
+            "sequences_corrected": 0.0, "disc_correct": 0.0, "disc_tokens": 0.0, "mlm_argmax_correct": 0.0,
+            "mlm_sampled_correct": 0.0}
+    losses = [2.0, float("nan"), 4.0]
+    for i, loss in enumerate(losses):
+        stats = {"gen_loss": 1.5 + i, "disc_loss": 0.25 * i, "masked": 20.0, "mismatched": 8.0 + i, "corrected": 2.0,
+                 "sequences": 4.0, "sequences_corrected": 1.0 + i, "disc_correct": 500.0 + i, "disc_tokens": 512.0,
+                 "mlm_argmax_correct": 12.0, "mlm_sampled_correct": 9.0 + i}
+        metrics.add({k: torch.tensor(v) for k, v in stats.items()}, torch.tensor(loss),
+                    torch.isfinite(torch.tensor(loss)), samples=4)
+        if math.isnan(loss):
+            metrics.count_nonfinite()
+        else:
+            sums = {k: sums[k] + v for k, v in stats.items()}
+    now[0] = 12.0
+    record = metrics.log(step=3)
+    assert record["loss"] == (2.0 + 4.0) / 2 and record["gen_loss"] == sums["gen_loss"] / 2
+    assert record["disc_loss"] == sums["disc_loss"] / 2
+    assert record["hc_corrected"] == 2 * sums["corrected"]  # both ranks' corrections
+    assert record["hc_iter_ratio"] == sums["sequences_corrected"] / sums["sequences"]
+    assert record["hc_pred_ratio"] == sums["corrected"] / sums["mismatched"]
+    assert record["mlm_accuracy"] == 1 - sums["mismatched"] / sums["masked"]
+    assert record["mlm_argmax_accuracy"] == sums["mlm_argmax_correct"] / sums["masked"]
+    assert record["mlm_sampled_accuracy"] == sums["mlm_sampled_correct"] / sums["masked"]
+    assert record["disc_accuracy"] == sums["disc_correct"] / sums["disc_tokens"]
+    assert record["nonfinite_steps"] == 1 and record["skipped_steps"] == 3
+    assert record["samples_per_sec"] == 2 * 3 * 4 / 2.0  # both ranks' samples over the interval's 2 seconds
 
 
 def test_a_micro_step_costs_the_same_few_ops_however_many_stats(tmp_path):

@@ -130,9 +130,10 @@ def test_discriminator_loss_matches_reference():
 
 
 def test_hard_correction_on_real_synonyms(table, lookup):
-    gold = ids(table, "primary", "stay", "house", "primary", "happy")
-    pred = ids(table, "main", "remain", "house", "banana", "glad")
-    assert hard_correction(gold, pred, lookup).tolist() == [True, True, False, False, True]
+    gold = ids(table, "primary", "stay", "house", "primary", "happy", "ran", "run")
+    pred = ids(table, "main", "remain", "house", "banana", "glad", "run", "ran")
+    # The row read is the gold token's: "run" is in the row of "ran" (lemmatised), "ran" not in that of "run".
+    assert hard_correction(gold, pred, lookup).tolist() == [True, True, False, False, True, True, False]
 
 
 def test_gumbel_max_samples_follow_the_softmax():
@@ -143,8 +144,9 @@ def test_gumbel_max_samples_follow_the_softmax():
 
 
 def crafted_batch(table):
-    """Two sequences; masked positions hold primary, stay, house and happy."""
-    original = ids(table, "the", "primary", "stay", "was", "house", "long", "happy", "day").reshape(2, 4)
+    """Two sequences; masked positions hold primary, ran, house and happy. "run" is in the synonym row of
+    "ran" but not "ran" in that of "run": a correction that read the prediction's row would miss it."""
+    original = ids(table, "the", "primary", "ran", "was", "house", "long", "happy", "day").reshape(2, 4)
     labels = torch.full_like(original, -100)
     for b, t in [(0, 1), (0, 2), (1, 0), (1, 2)]:
         labels[b, t] = original[b, t]
@@ -161,7 +163,7 @@ def forced_logits(table, words, vocab=30522):
 
 def test_hc_removes_exactly_the_synonym_positions_from_the_mlm_loss(table, lookup, monkeypatch):
     batch, labels = crafted_batch(table)
-    preds = ["main", "remain", "house", "sad"]  # two synonyms, one correct, one wrong
+    preds = ["main", "run", "house", "sad"]  # two synonyms, one correct, one wrong
     logits = forced_logits(table, preds)
     model = BertPretrainer(build_pretrainer("bert-tiny", ObjectiveConfig()).mlm, ObjectiveConfig(hc_lookup=lookup))
     monkeypatch.setattr(model, "masked_logits", lambda *a: logits)
@@ -176,7 +178,7 @@ def test_hc_removes_exactly_the_synonym_positions_from_the_mlm_loss(table, looku
 def test_hc_relabels_exactly_the_synonym_samples_as_original_for_the_discriminator(table, lookup, monkeypatch):
     batch, _ = crafted_batch(table)
     model = build_pretrainer("electra-tiny", ObjectiveConfig(hc_lookup=lookup))
-    monkeypatch.setattr(model, "masked_logits", lambda *a: forced_logits(table, ["main", "remain", "house", "sad"]))
+    monkeypatch.setattr(model, "masked_logits", lambda *a: forced_logits(table, ["main", "run", "house", "sad"]))
     captured = {}
 
     def spy(logits, labels, attention_mask=None):
@@ -185,10 +187,10 @@ def test_hc_relabels_exactly_the_synonym_samples_as_original_for_the_discriminat
 
     monkeypatch.setattr(models, "discriminator_loss", spy)
     model(**batch)
-    # replaced: primary->main (synonym: original), stay->remain (synonym: original), house->house (same), happy->sad (replaced)
+    # replaced: primary->main (synonym: original), ran->run (synonym: original), house->house (same), happy->sad (replaced)
     assert captured["labels"].tolist() == [[0, 0, 0, 0], [0, 0, 1, 0]]
     without_hc = build_pretrainer("electra-tiny", ObjectiveConfig())
-    monkeypatch.setattr(without_hc, "masked_logits", lambda *a: forced_logits(table, ["main", "remain", "house", "sad"]))
+    monkeypatch.setattr(without_hc, "masked_logits", lambda *a: forced_logits(table, ["main", "run", "house", "sad"]))
     without_hc(**batch)
     assert captured["labels"].tolist() == [[0, 1, 1, 0], [0, 0, 1, 0]]
 
@@ -225,7 +227,7 @@ def test_sr_and_hc_combine_and_add_to_the_loss(preset, sr, table, lookup, monkey
     torch.manual_seed(0)
     model = build_pretrainer(preset, ObjectiveConfig(), dropout=0.0).eval()
     batch, _ = crafted_batch(table)
-    logits = forced_logits(table, ["main", "remain", "house", "sad"])  # two synonyms, one correct, one wrong
+    logits = forced_logits(table, ["main", "run", "house", "sad"])  # two synonyms, one correct, one wrong
     monkeypatch.setattr(model, "masked_logits", lambda *a: logits)
 
     def loss_and_stats(objective: ObjectiveConfig):
@@ -240,3 +242,50 @@ def test_sr_and_hc_combine_and_add_to_the_loss(preset, sr, table, lookup, monkey
     assert not torch.allclose(hc_only, neither)  # HC took the two synonyms out of the loss
     assert stats["sr_loss"].item() > 0
     assert torch.allclose(with_sr, hc_only + 2.0 * stats["sr_loss"], atol=1e-5)
+
+
+def test_hc_prediction_chooses_what_hc_judges_and_the_discriminator_always_sees_the_sample(table, lookup, monkeypatch):
+    """--hc-prediction argmax for ELECTRA: the generator's loss drops the positions whose argmax is a synonym, while
+    the discriminator's labels follow its input, the sample. --hc-prediction sample for BERT: HC judges the sample."""
+    batch, labels = crafted_batch(table)  # gold: primary, ran, house, happy
+    argmax = ["main", "banana", "house", "glad"]  # synonyms at 0 and 3
+    sample = ids(table, "sad", "run", "house", "glad").reshape(2, 2)  # synonyms at 1 and 3
+    monkeypatch.setattr(models, "gumbel_max_sample", lambda logits: sample)
+    captured = {}
+
+    def spy(logits, labels, attention_mask=None):
+        captured["labels"] = labels
+        return discriminator_loss(logits, labels, attention_mask)
+
+    monkeypatch.setattr(models, "discriminator_loss", spy)
+    gold = labels[labels != -100]
+    electra = build_pretrainer("electra-tiny", ObjectiveConfig(hc_lookup=lookup, hc_prediction="argmax"), dropout=0.0)
+    logits = forced_logits(table, argmax)
+    monkeypatch.setattr(electra, "masked_logits", lambda *a: logits)
+    _, stats = electra(**batch)
+    assert torch.allclose(stats["gen_loss"], F.cross_entropy(logits.reshape(4, -1)[[1, 2]], gold[[1, 2]]))
+    assert stats["corrected"].item() == 2
+    # the sample: primary->sad replaced, ran->run a synonym (original), house the same, happy->glad a synonym
+    assert captured["labels"].tolist() == [[0, 1, 0, 0], [0, 0, 0, 0]]
+
+    bert = BertPretrainer(build_pretrainer("bert-tiny", ObjectiveConfig()).mlm,
+                          ObjectiveConfig(hc_lookup=lookup, hc_prediction="sample"))
+    monkeypatch.setattr(bert, "masked_logits", lambda *a: logits)
+    loss, stats = bert(**batch)  # argmax would keep positions 1 and 2; the sample keeps 0 and 2
+    assert torch.allclose(loss, F.cross_entropy(logits.reshape(4, -1)[[0, 2]], gold[[0, 2]]))
+
+
+def test_the_run_config_reaches_the_model(tmp_path):
+    """What the command line asks for is what the model's objective holds (build_model)."""
+    from truneg.build import build_model
+    from truneg.pretrain import parse_args
+    from truneg.run_config import RunConfig
+    from truneg.synonyms import SHIPPED_WORDNET_TABLE
+
+    cfg = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--hc", "wordnet", "--hc-prediction", "sample",
+                                          "--sr", "sent", "--sr-weight", "0.25", "--sr-sent-target", "original",
+                                          "--output-dir", str(tmp_path)]))
+    model = build_model(cfg, SynonymTable.load(SHIPPED_WORDNET_TABLE), 30522)
+    objective = model.objective
+    assert isinstance(objective.hc_lookup, SynonymLookup) and model.prediction == "sample"
+    assert (objective.sr, objective.sr_weight, objective.sr_sent_target) == ("sent", 0.25, "original")

@@ -83,7 +83,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
                                  "--overwrite starts afresh, --resume"),
         "malformed config": (["--deepspeed_config", str(tmp_path / "broken.json")], "is not valid JSON (line 1"),
         "batch sizes": (["--deepspeed_config", str(tmp_path / "batch.json")], "train_batch_size 10 does not split over 4"),
-        "fp16 on cpu": (["--deepspeed_config", str(tmp_path / "fp16.json")], "fp16"),
+        "fp16 on cpu": (["--deepspeed_config", str(tmp_path / "fp16.json")], "enables fp16, which the CPU does not support"),
         "decoupled checkpoint writer": (["--deepspeed_config", str(tmp_path / "decoupled.json")],
                                         "decoupled checkpoint writer (checkpoint.writer.decoupled"),
         "table for another vocab": (["--hc", str(tmp_path / "other_vocab.npz")], "built for vocab sha256"),
@@ -444,7 +444,8 @@ def close_losses(records: list[dict], reference: list[dict], start_step: int) ->
         if record["step"] > start_step:
             ref = by_step[record["step"]]
             assert record["samples"] == ref["samples"] and record["lr"] == pytest.approx(ref["lr"], rel=1e-9)
-            assert record["loss"] == pytest.approx(ref["loss"], rel=1e-4), record["step"]
+            # seen: 1.5e-7 (2 -> 1 ranks), 4.7e-6 (ZeRO-0): reduction order only
+            assert record["loss"] == pytest.approx(ref["loss"], rel=3e-5), record["step"]
 
 
 def test_resume_on_another_world_size_two_to_one_and_back(runs, tmp_path, launch_env, small_corpus):

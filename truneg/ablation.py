@@ -1,8 +1,8 @@
 """The paper's ablation (Tables 3 and 6): baseline, HC, SR and HC+SR pre-trained alike, then fine-tuned.
 
     truneg ablation --preset bert-tiny --tasks rte,mrpc --steps 300                 # CPU-sized
-    truneg ablation --preset electra-base --tasks rte,mrpc,sst2,cola --steps 766000 \\
-        --deepspeed_config ds_configs/electra_base_v100_fp16_zero2.json --num-gpus 8   # the paper's scale
+    truneg ablation --preset electra-base --init-from CKPT --seq-len 512 --steps 200000 --tasks rte,mrpc,sst2,cola \\
+        --deepspeed_config ds_configs/electra_base_continued_v100_fp16_zero2.json --num-gpus 8   # as the paper
 
 Each variant trains through the real `deepspeed` launcher with the same seed, data and steps, is exported
 with `truneg export`, and is fine-tuned on each task with the same hyper-parameters. Writes
@@ -31,6 +31,8 @@ def pretrain(variant: str, args: argparse.Namespace, out: Path) -> None:
         cmd += ["--deepspeed_config", args.deepspeed_config]
     if args.micro_batch_size:
         cmd += ["--micro-batch-size", str(args.micro_batch_size)]
+    if args.init_from:
+        cmd += ["--init-from", args.init_from]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -86,7 +88,8 @@ def run_ablation(args: argparse.Namespace) -> dict:
         print(f"{variant}: " + ", ".join(f"{t} {s:.2f}" for t, s in scores[variant].items()), flush=True)
     table = format_table(scores, tasks)
     print(table)
-    report = {"preset": args.preset, "steps": args.steps, "seed": args.seed, "tasks": tasks, "scores": scores}
+    report = {"preset": args.preset, "init_from": args.init_from, "steps": args.steps, "seed": args.seed, "tasks": tasks,
+              "scores": scores}
     (out / "ablation.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "ablation.txt").write_text(table + "\n", encoding="utf-8")
     return report
@@ -100,11 +103,14 @@ def add_command(commands) -> None:
     parser.add_argument("--tasks", default="rte,mrpc")
     parser.add_argument("--steps", type=int_at_least(1), default=300)
     parser.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)])
-    parser.add_argument("--glue-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"))
+    parser.add_argument("--glue-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"),
+                        help="GLUE's task folders (RTE/, MRPC/, ...; default: ../shared/data/glue beside this repo)")
     parser.add_argument("--output-dir", default="runs/ablation")
     parser.add_argument("--num-gpus", type=int, default=2, help="ranks per node (CPU ranks on a machine without GPUs)")
     parser.add_argument("--master-port", type=int, default=29511)
     parser.add_argument("--deepspeed_config")
+    parser.add_argument("--init-from", help="continue each variant's pre-training from this HF checkpoint, as the paper "
+                        "did from public ones (ELECTRA: a folder with generator/ and discriminator/)")
     parser.add_argument("--micro-batch-size", type=int_at_least(1))
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=42)

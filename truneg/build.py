@@ -139,7 +139,8 @@ def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int) -> 
     from truneg.synonyms import SynonymLookup
 
     lookup = None if table is None else SynonymLookup(table)
-    objective = ObjectiveConfig(lookup, cfg.hc_prediction, cfg.sr, cfg.sr_weight, cfg.sr_sent_target)
+    objective = ObjectiveConfig(hc_lookup=lookup, hc_prediction=cfg.hc_prediction, sr=cfg.sr, sr_weight=cfg.sr_weight,
+                                sr_sent_target=cfg.sr_sent_target)
     seed(cfg.seed)  # identical initial weights on every rank
     return build_pretrainer(cfg.model, objective, cfg.init_from, cfg.dropout, vocab_size)
 

@@ -87,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("preflight", add_help=False,
                         help="check a pre-training run before launching it: truneg preflight --help")
 
-    from truneg import analysis_cli, evaluation_cli, prepare
+    from truneg import analysis_cli, evaluation_cli, prepare_cli
 
-    prepare.add_command(commands)
+    prepare_cli.add_command(commands)
 
     analysis_cli.add_commands(commands)
     evaluation_cli.add_commands(commands)

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
-    parser.add_argument("--save-steps", type=int, default=100, help="0: no checkpoints (benchmarks)")
+    parser.add_argument("--save-steps", type=int, default=100, help="0: no periodic checkpoints (benchmarks; a SIGTERM still saves)")
     parser.add_argument("--log-steps", type=int, default=10)
     parser.add_argument("--output-dir", type=Path, default=Path(DEFAULT_OUTPUT_DIR))
     parser.add_argument("--seed", type=int, default=42)
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="masked positions per sequence, at most (default: 15%% of --seq-len rounded up to 4: "
                              "20 at 128, 80 at 512)")
     parser.add_argument("--max-nonfinite-steps", type=int, default=10,
-                        help="stop after this many non-finite losses in a row (fp32/bf16)")
+                        help="stop after this many optimizer steps in a row skipped for non-finite losses (any precision)")
     parser.add_argument("--cache-dir", type=Path, help="tokenized-corpus cache (default: $TRUNEG_CACHE or ~/.cache/truneg)")
     parser.add_argument("--num-proc", type=int, help="tokenizer processes")
     parser.add_argument("--data-workers", type=int,
