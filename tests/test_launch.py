@@ -259,6 +259,13 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 3 and all(line.startswith("truneg: error: ") for line in errors)
     assert "FusedLamb" in errors[0] and "node-local" in errors[1] and "no text files" in errors[2]
+    # a config that cannot be read does not hide the other problems
+    (tmp_path / "afile").write_text("")
+    assert preflight.run([*bad[:bad.index("--deepspeed_config")], "--deepspeed_config", str(tmp_path / "afile"),
+                          "--output-dir", str(tmp_path / "afile"), "--train-data", str(tmp_path / "none")]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 3 and "is not valid JSON" in errors[0], errors
+    assert "afile is a file" in errors[1] and "no text files" in errors[2], errors
     # every argument out of range, one line each: the checks pretrain.py makes before its first step
     out_of_range = ["--dropout", "1.5", "--save-steps", "-1", "--max-nonfinite-steps", "0", "--max-predictions", "999"]
     assert preflight.run([*argv, *out_of_range]) == 2

@@ -55,6 +55,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
     (tmp_path / "batch.json").write_text(json.dumps({**config, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}))
     (tmp_path / "fp16.json").write_text(json.dumps({**config, "fp16": {"enabled": True}}))
     (tmp_path / "decoupled.json").write_text(json.dumps({**config, "checkpoint": {"writer": {"decoupled": True}}}))
+    (tmp_path / "bf16_true.json").write_text(json.dumps({**config, "bf16": True}))
+    (tmp_path / "stage_str.json").write_text(json.dumps({**config, "zero_optimization": {"stage": "2"}}))
+    (tmp_path / "afile.txt").write_text("")
     SynonymTable.from_pairs([(1, 2)], ["[PAD]", "big", "large"], "tsv", {}).save(tmp_path / "other_vocab.npz")
     (tmp_path / "truncated.npz").write_bytes(SHIPPED_WORDNET_TABLE.read_bytes()[:5000])
     other_run = tmp_path / "other_run"
@@ -86,6 +89,13 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
         "fp16 on cpu": (["--deepspeed_config", str(tmp_path / "fp16.json")], "enables fp16, which the CPU does not support"),
         "decoupled checkpoint writer": (["--deepspeed_config", str(tmp_path / "decoupled.json")],
                                         "decoupled checkpoint writer (checkpoint.writer.decoupled"),
+        "config section of the wrong type": (["--deepspeed_config", str(tmp_path / "bf16_true.json")],
+                                             "bf16 is true; it must be an object"),
+        "zero stage as a string": (["--deepspeed_config", str(tmp_path / "stage_str.json")],
+                                   'zero_optimization.stage is "2"; it must be an integer'),
+        "negative seed": (["--seed", "-1"], "--seed must be >= 0"),
+        "infinite lr": (["--lr", "inf"], "--lr inf must be a finite number > 0"),
+        "output folder is a file": (["--output-dir", str(tmp_path / "afile.txt")], "afile.txt is a file"),
         "table for another vocab": (["--hc", str(tmp_path / "other_vocab.npz")], "built for vocab sha256"),
         "truncated table": (["--hc", str(tmp_path / "truncated.npz")], "corrupt or truncated"),
         "stale build lock": ([], "delete it if no build is running"),
@@ -100,7 +110,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
     from truneg.pretrain import checked_start
 
     for name, (extra, expected) in before_processes.items():
-        out = ["--output-dir", str(tmp_path / f"out_{name.replace(' ', '_')}")]
+        out = [] if "--output-dir" in extra else ["--output-dir", str(tmp_path / f"out_{name.replace(' ', '_')}")]
         with monkeypatch.context() as patch:
             patch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))
             if name == "stale build lock":

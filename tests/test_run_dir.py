@@ -78,3 +78,20 @@ def test_an_electra_run_recorded_with_sr_sent_target_original_resumes_without_th
     (tmp_path / RUN_FILE).write_text(json.dumps({**record, "sr": "word"}))  # another run is still refused
     with pytest.raises(UserError, match="holds another run's checkpoints"):
         claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)
+
+
+def test_a_run_that_stopped_before_its_first_save_leaves_nothing_that_blocks_a_corrected_command(tmp_path):
+    """A run that failed after its start (hf_config/ and run.json written, no checkpoint yet) must not make the
+    next command, with corrected arguments, say the folder holds another run's checkpoints; its model configs go."""
+    failed = RunConfig.from_args(parse_args(["--model", "electra-tiny", "--output-dir", str(tmp_path)]))
+    claim_output_dir(failed, identity(failed, "t"), rank=0)
+    (tmp_path / "checkpoints" / "hf_config" / "generator").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "hf_config" / "generator" / "config.json").write_text("{}")
+    corrected = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path)]))
+    claim_output_dir(corrected, identity(corrected, "t"), rank=0)
+    assert json.loads((tmp_path / RUN_FILE).read_text())["model"] == "bert-tiny"
+    assert not (tmp_path / "checkpoints" / "hf_config" / "generator").exists()
+    # a real checkpoint of another run is still refused
+    (tmp_path / "checkpoints" / "global_step5").mkdir(parents=True)
+    with pytest.raises(UserError, match="holds another run's checkpoints"):
+        claim_output_dir(failed, identity(failed, "t"), rank=0)

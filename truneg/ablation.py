@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from truneg.errors import UserError, int_at_least
+from truneg.errors import UserError, check_output_path, float_between, int_at_least
 from truneg.run_config import CHECKPOINTS
 
 VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
@@ -67,6 +67,7 @@ def run_ablation(args: argparse.Namespace) -> dict:
     for task in tasks:
         if not (glue_dir / TASKS[task].folder / "train.tsv").is_file():
             raise UserError(f"{glue_dir / TASKS[task].folder / 'train.tsv'} is missing; point --glue-dir at GLUE's folders")
+    check_output_path(args.output_dir, "--output-dir")
     out = Path(args.output_dir)
     scores: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
@@ -106,16 +107,16 @@ def add_command(commands) -> None:
     parser.add_argument("--glue-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"),
                         help="GLUE's task folders (RTE/, MRPC/, ...; default: ../shared/data/glue beside this repo)")
     parser.add_argument("--output-dir", default="runs/ablation")
-    parser.add_argument("--num-gpus", type=int, default=2, help="ranks per node (CPU ranks on a machine without GPUs)")
+    parser.add_argument("--num-gpus", type=int_at_least(1), default=2, help="ranks per node (CPU ranks on a machine without GPUs)")
     parser.add_argument("--master-port", type=int, default=29511)
     parser.add_argument("--deepspeed_config")
     parser.add_argument("--init-from", help="continue each variant's pre-training from this HF checkpoint, as the paper "
                         "did from public ones (ELECTRA: a folder with generator/ and discriminator/)")
     parser.add_argument("--micro-batch-size", type=int_at_least(1))
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--epochs", type=int, help="fine-tuning epochs (default: ELECTRA's per task)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="fine-tuning learning rate")
-    parser.add_argument("--batch-size", type=int, default=32, help="fine-tuning batch size")
-    parser.add_argument("--max-train-samples", type=int, help="fine-tune on the first N training examples")
+    parser.add_argument("--seq-len", type=int_at_least(3), default=128)
+    parser.add_argument("--seed", type=int_at_least(0), default=42)
+    parser.add_argument("--epochs", type=int_at_least(0), help="fine-tuning epochs (default: ELECTRA's per task)")
+    parser.add_argument("--lr", type=float_between(0), default=1e-4, help="fine-tuning learning rate")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=32, help="fine-tuning batch size")
+    parser.add_argument("--max-train-samples", type=int_at_least(1), help="fine-tune on the first N training examples")
     parser.set_defaults(func=run_ablation)

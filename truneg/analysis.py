@@ -115,9 +115,10 @@ def open_sequences(data: list[str], tokenizer: PreTrainedTokenizerBase, seq_len:
     """The sequences fn-stats / fn-cases run over, for --segmentation packed | line | article."""
     from truneg.corpus import is_hf, resolve_text_files
     from truneg.data import open_training_blocks
+    from truneg.models import MAX_POSITIONS
 
-    if seq_len < 8:
-        raise UserError(f"--seq-len {seq_len} is too short; use 128 or 512 (at least 8)")
+    if not 8 <= seq_len <= MAX_POSITIONS:
+        raise UserError(f"--seq-len {seq_len}: use 128 or 512 (between 8 and the models' {MAX_POSITIONS} positions)")
     if segmentation == "packed":
         return open_training_blocks(data, tokenizer, seq_len)[0]
     if any(is_hf(spec) for spec in data):
@@ -165,6 +166,9 @@ def discover_checkpoints(paths: list[str | Path]) -> list[CheckpointRef]:
                 raise UserError(f"{path} is neither a truneg checkpoints folder, a tag in one, nor an HF model folder "
                                 "(config.json); pass one of those") from None
             tags = [tag] if tag else checkpoint.complete_tags(folder)
+            if not tags:
+                raise UserError(f"{folder} holds no complete checkpoint (a save in progress or cut short has no "
+                                f"{checkpoint.META_FILE}); pass a tag, or wait for the run's first save")
             found.extend(CheckpointRef(f"{folder}/{t}", checkpoint.step_of_tag(t), folder / t, "truneg") for t in tags)
     return found
 

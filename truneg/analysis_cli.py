@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from truneg.errors import int_at_least
+from truneg.errors import check_output_path, int_at_least
 
 
 def _common(parser) -> None:
@@ -19,7 +19,7 @@ def _common(parser) -> None:
     parser.add_argument("--prediction", choices=["default", "argmax", "sample"], default="default",
                         help="default: argmax for BERT, the generator's sample for ELECTRA (as in training)")
     parser.add_argument("--batch-size", type=int_at_least(1), default=32)
-    parser.add_argument("--max-sequences", type=int, help="stop after this many sequences")
+    parser.add_argument("--max-sequences", type=int_at_least(1), help="stop after this many sequences")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoints' own, else bert-base-uncased)")
 
 
@@ -38,6 +38,7 @@ def _prepare(args, refs):
 def _fn_stats(args) -> None:
     from truneg.analysis import discover_checkpoints, evaluate, format_table, load_mlm, write_stats
 
+    check_output_path(args.out, "--out")  # before the checkpoints run
     refs = discover_checkpoints(args.checkpoints)
     tokenizer, _, lookup, blocks = _prepare(args, refs)
     results = []
@@ -55,6 +56,7 @@ def _fn_stats(args) -> None:
 def _fn_cases(args) -> None:
     from truneg.analysis import discover_checkpoints, evaluate, load_mlm, write_cases
 
+    check_output_path(args.out, "--out")
     refs = discover_checkpoints([args.checkpoint])
     if len(refs) != 1:
         refs = refs[-1:]  # a checkpoints folder: its newest tag

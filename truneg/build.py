@@ -153,7 +153,7 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, ds_config: dict) -> Dee
 
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model), config=ds_config)
-    except (AssertionError, ValueError) as err:
+    except (AssertionError, ValueError, TypeError) as err:  # its parser and the optimizer it builds
         raise UserError(f"DeepSpeed rejected the config: {str(err)[:300]}") from None
     if cfg.compile:
         # Static shapes (an exact number of masked positions, gathered): one graph, no recompiles.

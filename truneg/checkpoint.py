@@ -53,7 +53,11 @@ def latest_tag(checkpoint_dir: Path) -> str | None:
     latest = checkpoint_dir / "latest"
     if not latest.is_file():
         return None
-    tag = latest.read_text(encoding="utf-8").strip()
+    try:
+        tag = latest.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise UserError(f"{latest} is damaged (not a tag name); write the tag to resume from into it "
+                        f"(e.g. {TAG_PREFIX}100), or pass --resume a tag folder") from None
     return tag or None
 
 

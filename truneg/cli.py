@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from truneg.errors import UserError, exit_on_user_error, int_at_least
+from truneg.errors import UserError, check_output_path, exit_on_user_error, float_between, int_at_least
 
 
 def _synonyms_build(args) -> None:
@@ -16,6 +16,7 @@ def _synonyms_build(args) -> None:
 
     from truneg import synonyms
 
+    check_output_path(args.out, "--out", folder=False)
     tokens = synonyms.read_vocab(args.vocab)
     start = time.perf_counter()
     if args.source == "wordnet":
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--tsv", help="for --source tsv: word<TAB>synonym lines")
     build.add_argument("--embeddings", help="for --source embedding: word2vec file (text or binary) or HF model folder")
     build.add_argument("--top-k", type=int_at_least(1), default=10)
-    build.add_argument("--min-cosine", type=float, default=0.6)
+    build.add_argument("--min-cosine", type=float_between(-1, 1, low_open=False), default=0.6)
     forms = build.add_mutually_exclusive_group()
     forms.add_argument("--exact", action="store_true",
                        help="WordNet: only synsets that list the word itself (no lemmatisation; symmetric)")

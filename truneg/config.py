@@ -89,16 +89,41 @@ def launch_gpu(name: str) -> tuple[int, int]:
     return LAUNCH_GPUS[name]
 
 
+# Sections and keys truneg reads before DeepSpeed parses the config: of the wrong JSON type they would stop
+# truneg's own code with a traceback, not with a line about the file.
+SECTIONS = ("bf16", "fp16", "zero_optimization", "optimizer", "scheduler", "data_types", "checkpoint", *MONITORS)
+NUMBERS = {("zero_optimization", "stage"): "an integer", ("optimizer", "params", "lr"): "a number",
+           ("scheduler", "params", "warmup_max_lr"): "a number"}
+
+
 def read_config(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"DeepSpeed config {path} does not exist; pass one of {DS_CONFIGS}/*.json")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise UserError(f"DeepSpeed config {path} {what}; pass one of {DS_CONFIGS}/*.json")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise UserError(f"DeepSpeed config {path} is not valid JSON (line {err.lineno}: {err.msg}); fix the file") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"DeepSpeed config {path} is not UTF-8 text ({err.reason} at byte {err.start}); pass a JSON "
+                        "file") from None
     if not isinstance(config, dict):
         raise UserError(f"DeepSpeed config {path} must hold a JSON object")
+    for section in SECTIONS:
+        value = config.get(section)
+        params = value.get("params") if isinstance(value, dict) else None
+        for name, part in ((section, value), (f"{section}.params", params)):
+            if part is not None and not isinstance(part, dict):
+                raise UserError(f"DeepSpeed config {path}: {name} is {json.dumps(part)}; it must be an object "
+                                f"{{...}}, as in {DS_CONFIGS}/*.json")
+    for keys, kind in NUMBERS.items():
+        value = config.get(keys[0], {})
+        for key in keys[1:]:
+            value = value.get(key) if isinstance(value, dict) else None
+        number = isinstance(value, int) or (kind == "a number" and isinstance(value, float))
+        if value not in (None, "auto") and (isinstance(value, bool) or not number):  # "auto": HF Trainer's
+            raise UserError(f"DeepSpeed config {path}: {'.'.join(keys)} is {json.dumps(value)}; it must be {kind}")
     return config
 
 

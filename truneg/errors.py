@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 F = TypeVar("F", bound=Callable)
@@ -42,3 +43,37 @@ def int_at_least(least: int) -> Callable[[str], int]:
 
     parse.__name__ = f"int >= {least}"  # how argparse names the type in its errors
     return parse
+
+
+def float_between(low: float, high: float = float("inf"), *, low_open: bool = True) -> Callable[[str], float]:
+    """An argparse `type` for a finite float in (low, high] ([low, high] with low_open=False)."""
+    import argparse
+    import math
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        above = value > low if low_open else value >= low
+        if not (math.isfinite(value) and above and value <= high):
+            floor = f"{'above' if low_open else 'at least'} {low:g}"
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number {floor}"
+                                             + (f" and at most {high:g}" if math.isfinite(high) else ""))
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def check_output_path(path: str | Path, flag: str, *, folder: bool = True) -> None:
+    """Refuse, before any work, an output folder (or file, folder=False) that cannot be made: the path is a file
+    where a folder is wanted (or a folder where a file is), or a file stands where one of its parents must be."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise UserError(f"{flag} {path} is a {'file' if folder else 'folder'}; pass a {'folder' if folder else 'file'} path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} {path}: {parent} is a file, not a folder; choose another path")
+            return

@@ -5,7 +5,7 @@ import contextlib
 import json
 import sys
 
-from truneg.errors import int_at_least
+from truneg.errors import check_output_path, float_between, int_at_least
 
 DEEPSPEED_HELP = ("train through HF Trainer's DeepSpeed integration (ZeRO, precision); the config's optimizer and "
                   "scheduler sections are ignored: the recipe's layer-wise AdamW groups and warmup stay")
@@ -14,6 +14,7 @@ DEEPSPEED_HELP = ("train through HF Trainer's DeepSpeed integration (ZeRO, preci
 def _finetune_glue(args) -> None:
     from truneg.glue import finetune
 
+    check_output_path(args.output_dir, "--output-dir")
     with contextlib.redirect_stdout(sys.stderr):  # stdout: the results alone (DeepSpeed prints its op builds there)
         results = finetune(args.task, args.model, args.data_dir, args.output_dir, epochs=args.epochs, lr=args.lr,
                            batch_size=args.batch_size, max_seq_len=args.max_seq_len,
@@ -25,6 +26,7 @@ def _finetune_glue(args) -> None:
 def _finetune_squad(args) -> None:
     from truneg.squad import finetune_squad
 
+    check_output_path(args.output_dir, "--output-dir")
     with contextlib.redirect_stdout(sys.stderr):
         results = finetune_squad(args.model, args.train, args.dev, args.output_dir, epochs=args.epochs, lr=args.lr,
                                  batch_size=args.batch_size, max_seq_len=args.max_seq_len, doc_stride=args.doc_stride,
@@ -37,6 +39,7 @@ def _finetune_squad(args) -> None:
 def _robustness_swap(args) -> None:
     from truneg.robustness import evaluate_glue
 
+    check_output_path(args.output_dir, "--output-dir")
     print(json.dumps(evaluate_glue(args.task, args.model, args.data_dir, args.output_dir, args.seed,
                                    args.max_eval_samples), indent=2))
 
@@ -44,6 +47,7 @@ def _robustness_swap(args) -> None:
 def _robustness_add_sent(args) -> None:
     from truneg.robustness import evaluate_squad
 
+    check_output_path(args.output_dir, "--output-dir")
     print(json.dumps(evaluate_squad(args.model, args.dev, args.output_dir, args.seed, args.max_eval_samples), indent=2))
 
 
@@ -57,11 +61,12 @@ def _add_io(parser, model_help: str) -> None:
 def _add_recipe(parser, epochs: int | None, epochs_help: str | None, max_seq_len: int) -> None:
     """The fine-tuning recipe's flags (glue and squad)."""
     parser.add_argument("--epochs", type=int_at_least(0), default=epochs, help=epochs_help)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float_between(0), default=1e-4)
     parser.add_argument("--batch-size", type=int_at_least(1), default=32)
-    parser.add_argument("--max-seq-len", type=int, default=max_seq_len)
-    parser.add_argument("--max-train-samples", type=int)
-    parser.add_argument("--layerwise-decay", type=float, default=0.8, help="ELECTRA's layer-wise lr decay; 1 turns it off")
+    parser.add_argument("--max-seq-len", type=int_at_least(8), default=max_seq_len)
+    parser.add_argument("--max-train-samples", type=int_at_least(1), help="train on the first N examples")
+    parser.add_argument("--layerwise-decay", type=float_between(0, 1), default=0.8,
+                        help="ELECTRA's layer-wise lr decay, in (0, 1]; 1 turns it off")
     parser.add_argument("--deepspeed_config", help=DEEPSPEED_HELP)
 
 
@@ -80,8 +85,9 @@ def add_commands(commands) -> None:
     squad.add_argument("--dev", required=True, help="SQuAD v1.1 dev JSON")
     _add_io(squad, exported)
     _add_recipe(squad, 2, None, 384)
-    squad.add_argument("--doc-stride", type=int, default=128)
-    squad.add_argument("--max-eval-samples", type=int)
+    squad.add_argument("--doc-stride", type=int_at_least(1), default=128,
+                       help="tokens between the starts of a long context's windows; below half of --max-seq-len")
+    squad.add_argument("--max-eval-samples", type=int_at_least(1))
     squad.set_defaults(func=_finetune_squad)
 
     robustness = commands.add_parser("robustness", help="scores under synonym swaps and distractors (paper Table 5)")
@@ -90,12 +96,12 @@ def add_commands(commands) -> None:
     swap.add_argument("--task", required=True)
     swap.add_argument("--data-dir", required=True)
     _add_io(swap, "a fine-tuned classifier (finetune glue's OUTPUT/model)")
-    swap.add_argument("--max-eval-samples", type=int)
+    swap.add_argument("--max-eval-samples", type=int_at_least(1))
     swap.set_defaults(func=_robustness_swap)
     add_sent = attacks.add_parser("add-sent", help="an AddSentDiverse-style distractor on SQuAD dev")
     add_sent.add_argument("--dev", required=True)
     _add_io(add_sent, "a fine-tuned QA model (finetune squad's OUTPUT/model)")
-    add_sent.add_argument("--max-eval-samples", type=int)
+    add_sent.add_argument("--max-eval-samples", type=int_at_least(1))
     add_sent.set_defaults(func=_robustness_add_sent)
 
     from truneg.ablation import add_command

@@ -18,7 +18,7 @@ from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, Electr
 
 from truneg import checkpoint
 from truneg.checkpoint import HF_CONFIG_DIR
-from truneg.errors import UserError
+from truneg.errors import UserError, check_output_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,7 +53,11 @@ def load_parts(checkpoint_path: str | Path) -> tuple[dict, int]:
     names = [p for p in PARTS if (checkpoint_dir / HF_CONFIG_DIR / p / "config.json").is_file()]
     if not names:
         raise UserError(f"{checkpoint_dir} has no {HF_CONFIG_DIR}/; it was not written by truneg pretrain")
-    parts = {p: PARTS[p](AutoConfig.from_pretrained(checkpoint_dir / HF_CONFIG_DIR / p)) for p in names}
+    try:
+        parts = {p: PARTS[p](AutoConfig.from_pretrained(checkpoint_dir / HF_CONFIG_DIR / p)) for p in names}
+    except (OSError, ValueError) as err:  # transformers' own line names the file; a traceback would bury it
+        raise UserError(f"cannot read the model configs in {checkpoint_dir / HF_CONFIG_DIR} ({str(err)[:200]}); "
+                        "the checkpoint folder is damaged") from None
     if "generator" in parts:
         holder = ElectraPretrainer(parts["generator"], parts["discriminator"], ObjectiveConfig())
     else:  # the pre-trainer's `mlm.` keys onto a bare BertForMaskedLM
@@ -76,8 +80,7 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
     from truneg.data import load_tokenizer
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():  # save_pretrained would only log it
-        raise UserError(f"{out_dir} is a file; pass a folder to export into")
+    check_output_path(out_dir, "export to")  # a file there, save_pretrained would only log it; before the reading
     if tokenizer_dir is None:
         tokenizer_dir = run_tokenizer_dir(checkpoint.resolve(checkpoint_path)[0])
     tokenizer = load_tokenizer(tokenizer_dir)  # before the consolidation, which takes minutes for BERT-large

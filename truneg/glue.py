@@ -64,9 +64,18 @@ def read_tsv(path: Path, task: Task) -> list[tuple[str, str | None, float | int]
     if not path.is_file():
         raise UserError(f"{path} does not exist; --data-dir must hold GLUE's {task.folder} files (train.tsv, dev.tsv)")
     csv.field_size_limit(sys.maxsize)
+    try:
+        return _read_rows(path, task)
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); is it GLUE's {task.folder}?") from None
+
+
+def _read_rows(path: Path, task: Task) -> list[tuple[str, str | None, float | int]]:
     with open(path, encoding="utf-8-sig", newline="") as fh:
         reader = csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader) if task.header else None
+        header = next(reader, None) if task.header else None
+        if task.header and header is None:
+            raise UserError(f"{path} is empty; --data-dir must hold GLUE's {task.folder} files")
 
         def column(key):
             if isinstance(key, int) or key is None:
@@ -82,7 +91,10 @@ def read_tsv(path: Path, task: Task) -> list[tuple[str, str | None, float | int]
                 raise UserError(f"{path}:{number}: {len(fields)} columns, too few for {task.folder}")
             value = fields[y].strip()
             if task.labels is None:
-                label: float | int = float(value)
+                try:
+                    label: float | int = float(value)
+                except ValueError:
+                    raise UserError(f"{path}:{number}: score {value!r} is not a number") from None
             elif value in task.labels:
                 label = task.labels.index(value)
             else:
@@ -125,6 +137,13 @@ def resolve_model_dir(model: str | Path) -> Path:
         return model / "discriminator"
     if not (model / "config.json").is_file():
         raise UserError(f"--model {model} holds no HF model (config.json); export a checkpoint with `truneg export` first")
+    from transformers import utils
+
+    # the files from_pretrained reads weights from
+    weights = (utils.SAFE_WEIGHTS_NAME, utils.SAFE_WEIGHTS_INDEX_NAME, utils.WEIGHTS_NAME, utils.WEIGHTS_INDEX_NAME)
+    if not any((model / name).is_file() for name in weights):
+        raise UserError(f"--model {model} has a config.json but no weights ({', '.join(weights)}); export a "
+                        "checkpoint with `truneg export`, or pass the folder that holds them")
     return model
 
 

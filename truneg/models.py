@@ -374,9 +374,11 @@ def _from_pretrained(cls, path: Path):
             f"--init-from: {path} holds no HF model (config.json); pass an exported truneg folder "
             "(with generator/ and discriminator/ for ELECTRA) or an HF model folder"
         )
+    from safetensors import SafetensorError
+
     try:
         model, info = cls.from_pretrained(path, attn_implementation="sdpa", output_loading_info=True)
-    except (OSError, ValueError, RuntimeError) as err:  # RuntimeError: a weight of another shape
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # a weight of another shape; a damaged file
         raise UserError(f"--init-from: cannot load {path} ({str(err)[:300]})") from None
     # A checkpoint of another class (a BertModel, a classifier) loads with its head missing, which HF only logs:
     # pre-training would go on from a random head.

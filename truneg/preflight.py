@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from truneg import config as ds_config
-from truneg.errors import UserError
+from truneg.errors import UserError, check_output_path
 
 # --gpu-arch's names: the architectures of the launch scripts' GPU=... (sm70, sm80, sm90)
 GPU_ARCHS = {f"sm{major}{minor}": (major, minor) for major, minor in ds_config.LAUNCH_GPUS.values()}
@@ -195,11 +195,13 @@ def _check_output_dir(output_dir: Path, nodes: int) -> list[str]:
     if nodes > 1 and any(str(resolved) == p or str(resolved).startswith(p + "/") for p in _NODE_LOCAL):
         return [f"--output-dir {output_dir} is node-local, but the run spans {nodes} nodes: every node must see "
                 "the same checkpoints; pass a folder on shared storage"]
+    try:
+        check_output_path(output_dir, "--output-dir")
+    except UserError as err:
+        return [str(err)]
     existing = resolved
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir():
-        return [f"--output-dir {output_dir}: {existing} is a file; pass a folder"]
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"--output-dir {output_dir}: {existing} is not writable; pass a folder you can write"]
     return []
@@ -247,6 +249,12 @@ def start_problems(args: argparse.Namespace, config: dict, world_size: int, capa
         problems.append("the config's decoupled checkpoint writer (checkpoint.writer.decoupled, datastates_ckpt) "
                         "finishes in the background, after truneg has marked the checkpoint complete: a kill then "
                         "leaves `latest` naming a half-written one; drop it (checkpoint.writer without decoupled is fine)")
+    return problems + path_problems(args, nodes)
+
+
+def path_problems(args: argparse.Namespace, nodes: int = 1) -> list[str]:
+    """The checkpoint to start from, the output folder and the corpus: checked whatever the config."""
+    problems = []
     if args.init_from and not Path(args.init_from).is_dir():
         problems.append(f"--init-from {args.init_from} is not a folder; pass an HF checkpoint folder "
                         "(ELECTRA: one holding generator/ and discriminator/)")
@@ -360,8 +368,8 @@ def run(argv: list[str] | None = None) -> int:
         config, choices = resolve_config(args, world_size, capability)
     except UserError as err:
         problems.append(str(err))
-    if config is not None:
-        problems += start_problems(args, config, world_size, capability, nodes=max(len(hosts), 1))
+    nodes = max(len(hosts), 1)
+    problems += start_problems(args, config, world_size, capability, nodes) if config else path_problems(args, nodes)
     if len(hosts) > 1:
         problems += check_multi_node_launch(args.train_data, launcher, launcher_args=args.launcher_args)
     if args.check_ssh and hosts:

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from truneg import prepare as preparation
-from truneg.errors import UserError
+from truneg.errors import UserError, check_output_path, int_at_least
 
 
 def _parse_part(text: str) -> tuple[int, int]:
@@ -20,6 +20,7 @@ def _parse_part(text: str) -> tuple[int, int]:
 
 
 def _run(args) -> None:
+    check_output_path(args.out, "--out")
     if args.merge:
         out = preparation.merge(args.merge, args.out)
     else:
@@ -46,10 +47,11 @@ def add_command(commands) -> None:
     cmd = commands.add_parser("prepare", help="tokenize and pack a corpus once into a prepared folder",
                               description=preparation.__doc__.split("\n\n")[0])
     cmd.add_argument("--train-data", nargs="+", help="text files, folders or globs, or hf:NAME[:CONFIG][@SPLIT]#COLUMN")
-    cmd.add_argument("--seq-len", type=int, default=128)
+    cmd.add_argument("--seq-len", type=int_at_least(3), default=128)
     cmd.add_argument("--out", required=True, type=Path, help="the prepared folder (or this part's folder)")
     cmd.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
-    cmd.add_argument("--num-proc", type=int, help="tokenizer processes (default: the CPUs this process may use)")
+    cmd.add_argument("--num-proc", type=int_at_least(0),
+                     help="tokenizer processes (default, or 0: the CPUs this process may use)")
     cmd.add_argument("--part", default="0/1", help="i/n: prepare the i-th (0-based) of n parts, e.g. one per machine")
     cmd.add_argument("--merge", nargs="+", metavar="DIR", help="join the finished parts in these folders into --out")
     cmd.set_defaults(func=_run)

@@ -18,9 +18,10 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
+import math
 import os
 
-from truneg.errors import UserError, exit_on_user_error
+from truneg.errors import UserError, check_output_path, exit_on_user_error
 
 DEFAULT_OUTPUT_DIR = "runs/pretrain"
 
@@ -92,7 +93,7 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     # (--micro-batch-size and --gradient-accumulation-steps are checked with the config's own values, in
     # config.resolve_batch_sizes; --num-proc 0 means every CPU)
     floors = {"seq_len": 1, "max_steps": 1, "log_steps": 1, "max_nonfinite_steps": 1, "save_steps": 0,
-              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0}
+              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0, "seed": 0}
     problems = [f"--{name.replace('_', '-')} must be >= {least}" for name, least in floors.items()
                 if getattr(args, name) is not None and getattr(args, name) < least]
     if args.model is not None:
@@ -107,10 +108,15 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
                         "or less")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         problems.append(f"--dropout {args.dropout} must be in [0, 1)")
-    if args.lr is not None and not args.lr > 0:  # `not >` also refuses nan
-        problems.append(f"--lr {args.lr} must be > 0")
-    if not args.sr_weight >= 0:
-        problems.append(f"--sr-weight {args.sr_weight} must be >= 0")
+    if args.lr is not None and not 0 < args.lr < math.inf:  # `not <` also refuses nan
+        problems.append(f"--lr {args.lr} must be a finite number > 0")
+    if not 0 <= args.sr_weight < math.inf:
+        problems.append(f"--sr-weight {args.sr_weight} must be a finite number >= 0")
+    if args.cache_dir is not None:  # (--output-dir: preflight.path_problems)
+        try:
+            check_output_path(args.cache_dir, "--cache-dir")
+        except UserError as err:
+            problems.append(str(err))
     if args.sr_sent_target is not None and _is_electra_run(args):
         problems.append(f"--sr-sent-target {args.sr_sent_target} is for BERT: ELECTRA's --sr sent always encodes the "
                         "original sentence (its discriminator never sees [MASK]); drop the flag")

@@ -154,6 +154,8 @@ def evaluate_glue(task_name: str, model_dir: str | Path, data_dir: str | Path, o
     task = TASKS[task_name]
     model_dir = resolve_model_dir(model_dir)
     rows = read_tsv(Path(data_dir) / task.dev_files[0], task)[:max_eval_samples]
+    if not rows:
+        raise UserError(f"{Path(data_dir) / task.dev_files[0]} has no example; pass the task's GLUE folder")
     transformed, index = swap_syn_glue(rows, seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(_device())
@@ -180,10 +182,13 @@ def evaluate_squad(model_dir: str | Path, dev_file: str | Path, output_dir: str 
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer
 
     from truneg.glue import resolve_model_dir
-    from truneg.squad import evaluate_predictions, predict_answers, read_squad
+    from truneg.squad import check_doc_stride, evaluate_predictions, predict_answers, read_squad
 
+    check_doc_stride(max_seq_len, doc_stride)
     model_dir = resolve_model_dir(model_dir)
     examples = read_squad(dev_file)[:max_eval_samples]
+    if not examples:
+        raise UserError(f"{dev_file} has no question; pass a SQuAD v1.1 dev file")
     rng = random.Random(seed)
     answers = [e["answers"][0] for e in examples if e["answers"]]
     attacked = []

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from truneg.checkpoint import HF_CONFIG_DIR
 from truneg.config import MONITORS
 from truneg.corpus import is_hf
 from truneg.distributed import on_rank_zero
@@ -73,7 +74,8 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
     out = cfg.output_dir
     identity = json.loads(json.dumps(identity))
     run_file = out / RUN_FILE
-    has_checkpoints = cfg.checkpoint_dir.is_dir() and any(cfg.checkpoint_dir.iterdir())
+    # hf_config/ alone is what a run that stopped before its first save leaves: nothing to resume or to keep
+    has_checkpoints = cfg.checkpoint_dir.is_dir() and any(p.name != HF_CONFIG_DIR for p in cfg.checkpoint_dir.iterdir())
     missing: list[str] = []
     if run_file.is_file():
         try:
@@ -101,6 +103,8 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
             for name in (CHECKPOINTS, *filter(None, MONITORS.values())):
                 shutil.rmtree(out / name, ignore_errors=True)
             (out / METRICS).unlink(missing_ok=True)
+        elif different:  # another run's leftovers without a checkpoint: its model's configs must not mix with ours
+            shutil.rmtree(cfg.checkpoint_dir / HF_CONFIG_DIR, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         tmp = run_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")

@@ -69,17 +69,45 @@ def read_squad(path: str | Path) -> list[dict]:
         raise UserError(f"{path} does not exist; pass a SQuAD v1.1 JSON file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))["data"]
-        return [{"id": qa["id"], "question": qa["question"], "context": paragraph["context"],
-                 "answers": [a["text"] for a in qa["answers"]], "answer_starts": [a["answer_start"] for a in qa["answers"]]}
-                for article in data for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        examples = [{"id": qa["id"], "question": qa["question"], "context": paragraph["context"],
+                     "answers": [a["text"] for a in qa["answers"]],
+                     "answer_starts": [a["answer_start"] for a in qa["answers"]]}
+                    for article in data for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
         raise UserError(f"{path} is not SQuAD v1.1 JSON ({type(err).__name__}: {err})") from None
+    for e in examples:  # the values' types too: a string answer_start would fail deep in the feature code
+        texts_ok = all(isinstance(v, str) for v in (e["question"], e["context"], *e["answers"]))
+        starts_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in e["answer_starts"])
+        if not (texts_ok and starts_ok):
+            raise UserError(f"{path}: question {e['id']!r} is not SQuAD v1.1 (question, context and answer texts are "
+                            "strings, answer_start an integer); fix the file")
+    return examples
+
+
+def _some(examples: list[dict], path: str | Path, what: str) -> list[dict]:
+    """`examples`, refused in one line when there are none."""
+    if not examples:
+        raise UserError(f"{path} has no {what}; pass a SQuAD v1.1 file with some")
+    return examples
+
+
+def check_doc_stride(max_seq_len: int, doc_stride: int) -> None:
+    """A window must advance: the stride below the context's share of --max-seq-len (the question takes the rest)."""
+    if doc_stride >= max_seq_len // 2:
+        raise UserError(f"--doc-stride {doc_stride} must be below half of --max-seq-len {max_seq_len} (the question "
+                        f"and the context share a window); e.g. --doc-stride {max(1, max_seq_len // 4)}")
 
 
 def features(tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_len: int, stride: int, train: bool) -> dict:
-    enc = tokenizer([e["question"].lstrip() for e in examples], [e["context"] for e in examples],
-                    truncation="only_second", max_length=max_len, stride=stride, return_overflowing_tokens=True,
-                    return_offsets_mapping=True, padding="max_length")
+    try:
+        enc = tokenizer([e["question"].lstrip() for e in examples], [e["context"] for e in examples],
+                        truncation="only_second", max_length=max_len, stride=stride, return_overflowing_tokens=True,
+                        return_offsets_mapping=True, padding="max_length")
+    except ValueError as err:  # a question too long for the window at this stride (the tokenizer says which)
+        if "stride" not in str(err):
+            raise
+        raise UserError(f"--doc-stride {stride} leaves no context in a window of --max-seq-len {max_len} beside a long "
+                        "question; lower --doc-stride or raise --max-seq-len") from None
     sample_map = enc.pop("overflow_to_sample_mapping")
     starts, ends = [], []
     for i, offsets in enumerate(enc["offset_mapping"]):
@@ -187,9 +215,11 @@ def finetune_squad(model_dir: str | Path, train_file: str | Path, dev_file: str 
 
     from truneg.glue import build_trainer, resolve_model_dir, train_and_score
 
+    check_doc_stride(max_seq_len, doc_stride)
     model_dir = resolve_model_dir(model_dir)
-    train_examples = [e for e in read_squad(train_file) if e["answers"]][:max_train_samples]
-    dev_examples = read_squad(dev_file)[:max_eval_samples]
+    train_examples = _some([e for e in read_squad(train_file) if e["answers"]][:max_train_samples], train_file,
+                           "answered question")
+    dev_examples = _some(read_squad(dev_file)[:max_eval_samples], dev_file, "question")
     set_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if not getattr(tokenizer, "is_fast", False):

@@ -38,7 +38,10 @@ def read_vocab(path: str | Path) -> list[str]:
         path = path / "vocab.txt"
     if not path.is_file():
         raise UserError(f"vocab file {path} does not exist; pass a BERT vocab.txt or a folder holding one")
-    tokens = path.read_text(encoding="utf-8").split("\n")
+    try:
+        tokens = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as err:
+        raise UserError(f"vocab file {path} is not UTF-8 text ({err.reason} at byte {err.start}); pass a BERT vocab.txt") from None
     if tokens and tokens[-1] == "":
         tokens.pop()
     if not tokens:
@@ -282,10 +285,14 @@ def read_word2vec(path: Path) -> dict[str, np.ndarray]:
     except UnicodeDecodeError:
         is_text = False
     if is_text:
-        for line in text_lines:
+        for number, line in enumerate(text_lines, 2):
             parts = line.rstrip().split(" ")
             if len(parts) == dim + 1:
-                vectors[parts[0]] = np.asarray(parts[1:], dtype=np.float32)
+                try:
+                    vectors[parts[0]] = np.asarray(parts[1:], dtype=np.float32)
+                except ValueError:
+                    raise UserError(f"{path}:{number}: the vector of {parts[0]!r} holds a value that is not a number; "
+                                    "fix or re-export the word2vec file") from None
     else:
         pos = 0
         try:

@@ -1,0 +1,117 @@
+"""Bad input to the `truneg` sub-commands, in this process: one line that says what is wrong, exit status 2, no
+traceback, and before any expensive work (a consolidation, a fine-tuning, an evaluation) is spent on it."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import MINILM, REPO, cli_in_process
+
+ASSETS = REPO / "truneg" / "assets"
+
+
+def one_line(proc, expected: str) -> None:
+    """truneg's own refusal: `truneg: error: ...` as the last line, exit 2."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr + proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("truneg: error: ") and expected in last, last
+
+
+def argparse_refusal(proc, flag: str, expected: str) -> None:
+    """argparse's own: `... error: argument FLAG: ...` as the last line, exit 2."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"error: argument {flag}: " in last and expected in last, last
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "afile.txt").write_text("a file, not a folder")
+    (root / "binary").write_bytes(b"\xff\xfe\x00\x81 not text")
+    (root / "bad.w2v").write_text("2 3\nhouse 0.1 0.2 0.3\nhome 0.1 x 0.3\n")
+    (root / "outdir.npz").mkdir()
+    qa = {"id": "q1", "question": "Who?", "answers": [{"text": "Ann", "answer_start": "0"}]}
+    (root / "squad_str_start.json").write_text(json.dumps({"data": [{"paragraphs": [{"context": "Ann came.", "qas": [qa]}]}]}))
+    qa = {**qa, "answers": [{"text": "Ann", "answer_start": 0}]}
+    (root / "squad_ok.json").write_text(json.dumps({"data": [{"paragraphs": [{"context": "Ann came.", "qas": [qa]}]}]}))
+    (root / "squad_empty.json").write_text(json.dumps({"version": "1.1", "data": []}))
+    (root / "rte_empty").mkdir()
+    (root / "rte_empty" / "train.tsv").write_text("")
+    (root / "config_only").mkdir()
+    if (MINILM / "config.json").is_file():
+        shutil.copy(MINILM / "config.json", root / "config_only" / "config.json")
+    ck = root / "ck" / "checkpoints"  # a run's first save, cut short: a tag without its META
+    (ck / "global_step1").mkdir(parents=True)
+    (ck / "latest").write_text("global_step1")
+    return root
+
+
+def test_paths_and_files_that_cannot_be_used(files):
+    tsv = files / "pairs.tsv"
+    tsv.write_text("big\tlarge\n")
+    vocab = str(ASSETS / "vocab")
+    one_line(cli_in_process("synonyms", "build", "--vocab", vocab, "--source", "tsv", "--tsv", str(tsv), "--out",
+                            str(files / "outdir.npz")), "is a folder; pass a file path")
+    assert not list(files.glob("outdir.npz.tmp*"))
+    one_line(cli_in_process("synonyms", "build", "--vocab", str(files / "binary"), "--source", "tsv", "--tsv", str(tsv),
+                            "--out", str(files / "t.npz")), "is not UTF-8 text")
+    one_line(cli_in_process("synonyms", "build", "--vocab", vocab, "--source", "embedding", "--embeddings",
+                            str(files / "bad.w2v"), "--out", str(files / "t.npz")),
+             "bad.w2v:3: the vector of 'home' holds a value that is not a number")
+    argparse_refusal(cli_in_process("synonyms", "build", "--vocab", vocab, "--min-cosine", "5", "--out", "t.npz"),
+                     "--min-cosine", "5 is not a finite number at least -1 and at most 1")
+    one_line(cli_in_process("prepare", "--train-data", str(ASSETS / "corpus"), "--out", str(files / "afile.txt")),
+             "--out " + str(files / "afile.txt") + " is a file; pass a folder path")
+    # checked before the checkpoint is read (which is where the time goes)
+    one_line(cli_in_process("export", str(files / "nowhere"), str(files / "afile.txt" / "hf")),
+             f"{files / 'afile.txt'} is a file, not a folder")
+    one_line(cli_in_process("fn-cases", "--checkpoint", str(files / "ck" / "checkpoints"), "--data", str(ASSETS / "corpus"),
+                            "--out", str(files / "cases")), "holds no complete checkpoint")
+    one_line(cli_in_process("fn-stats", "--checkpoints", str(files / "ck" / "checkpoints"), "--data",
+                            str(ASSETS / "corpus"), "--out", str(files / "stats")), "holds no complete checkpoint")
+    assert not (files / "stats").exists()
+    one_line(cli_in_process("fn-cases", "--checkpoint", str(files / "nowhere"), "--data", str(ASSETS / "corpus"),
+                            "--out", str(files / "afile.txt")), "is a file; pass a folder path")
+    argparse_refusal(cli_in_process("fn-stats", "--checkpoints", "x", "--data", "y", "--out", "z", "--max-sequences", "-5"),
+                     "--max-sequences", "-5 is below 1")
+
+
+def test_a_damaged_latest_is_one_line(tmp_path):
+    from truneg.checkpoint import latest_tag
+    from truneg.errors import UserError
+
+    (tmp_path / "latest").write_bytes(b"\x80\x81\xfe")
+    with pytest.raises(UserError, match="latest is damaged"):
+        latest_tag(tmp_path)
+
+
+@pytest.mark.skipif(not (MINILM / "config.json").is_file(), reason="`make setup` installs the MiniLM checkpoint")
+def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
+    model, out = str(MINILM), str(files / "out")
+    squad, glue = ("finetune", "squad", "--model", model), ("finetune", "glue", "--task", "rte", "--model", model)
+    ok = str(files / "squad_ok.json")
+    # a stride that leaves no context in a window: the tokenizer's own ValueError before
+    one_line(cli_in_process(*squad, "--train", ok, "--dev", ok, "--output-dir", out, "--max-seq-len", "128"),
+             "--doc-stride 128 must be below half of --max-seq-len 128")
+    one_line(cli_in_process(*squad, "--train", ok, "--dev", str(files / "squad_empty.json"), "--output-dir", out),
+             "squad_empty.json has no question")
+    one_line(cli_in_process(*squad, "--train", str(files / "squad_str_start.json"), "--dev", ok, "--output-dir", out),
+             "question 'q1' is not SQuAD v1.1")
+    one_line(cli_in_process("robustness", "add-sent", "--model", model, "--dev", str(files / "squad_empty.json"),
+                            "--output-dir", out), "has no question")
+    one_line(cli_in_process(*glue, "--data-dir", str(files / "rte_empty"), "--output-dir", out), "train.tsv is empty")
+    one_line(cli_in_process(*glue, "--data-dir", str(files / "rte_empty"), "--output-dir", str(files / "afile.txt")),
+             "is a file; pass a folder path")
+    one_line(cli_in_process("finetune", "glue", "--task", "rte", "--model", str(files / "config_only"), "--data-dir",
+                            str(files / "rte_empty"), "--output-dir", out), "has a config.json but no weights")
+    for flag, value, expected in [("--lr", "-1", "-1 is not a finite number above 0"),
+                                  ("--max-train-samples", "0", "0 is below 1"),
+                                  ("--max-seq-len", "0", "0 is below 8"),
+                                  ("--layerwise-decay", "1.5", "1.5 is not a finite number above 0 and at most 1")]:
+        argparse_refusal(cli_in_process(*glue, "--data-dir", "d", "--output-dir", out, flag, value), flag, expected)
+    argparse_refusal(cli_in_process("robustness", "swap-syn", "--task", "rte", "--model", model, "--data-dir", "d",
+                                    "--output-dir", out, "--max-eval-samples", "0"), "--max-eval-samples", "0 is below 1")
+    assert not (files / "out").exists()  # nothing was started
