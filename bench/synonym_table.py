@@ -28,7 +28,8 @@ from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  
 
 COLD_BUILD = """
 import time; start = time.perf_counter()
-from truneg.synonyms import build_from_wordnet, read_vocab
+from truneg.synonym_sources import build_from_wordnet
+from truneg.synonyms import read_vocab
 table = build_from_wordnet(read_vocab({vocab!r}), morphy={morphy})
 print(time.perf_counter() - start, table.num_entries)
 """

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import cli_in_process
 
-from truneg import synonyms
+from truneg import synonym_sources, synonyms
 from truneg.errors import UserError
 from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable, eligible_token_ids
 from truneg.wordnet_setup import load_wordnet
@@ -27,7 +27,7 @@ def shipped(tokens) -> SynonymTable:
 @pytest.fixture(scope="module")
 def exact(tokens) -> SynonymTable:
     """The table of `truneg synonyms build --exact`: no lemmatisation."""
-    return synonyms.build_from_wordnet(tokens, morphy=False)
+    return synonym_sources.build_from_wordnet(tokens, morphy=False)
 
 
 def nltk_reference(tokens, morphy: bool) -> dict[str, set[str]]:
@@ -102,7 +102,7 @@ def test_inflected_words_get_exactly_what_wn_synsets_gives(shipped, exact, word,
 
 
 def test_rebuilding_the_shipped_table_gives_identical_arrays(tokens, shipped):
-    rebuilt = synonyms.build_from_wordnet(tokens)
+    rebuilt = synonym_sources.build_from_wordnet(tokens)
     np.testing.assert_array_equal(rebuilt.indptr, shipped.indptr)
     np.testing.assert_array_equal(rebuilt.indices, shipped.indices)
     assert shipped.indptr.dtype == np.int64 and shipped.indices.dtype == np.int32
@@ -188,7 +188,7 @@ def test_lookup_agrees_with_python_sets_on_random_and_real_pairs(shipped):
 def test_a_cased_vocabulary_gets_its_capitalised_words_synonyms_in_their_case():
     """wn.synsets lower-cases its query; WordNet's index holds lower-case lemmas. A cased vocabulary's "Big"
     has large's synonyms written as it is: "Large", not "large" (a different token)."""
-    table = synonyms.build_from_wordnet(["[PAD]", "Big", "large", "big", "Large", "Primary", "Main", "main", "USA", "US"])
+    table = synonym_sources.build_from_wordnet(["[PAD]", "Big", "large", "big", "Large", "Primary", "Main", "main", "USA", "US"])
     assert table.synonyms_of("Big") == ["Large"] and table.synonyms_of("big") == ["large"]
     assert table.synonyms_of("Primary") == ["Main"] and table.synonyms_of("USA") == ["US"]
 
@@ -203,7 +203,7 @@ def test_embedding_source_text_and_binary(tmp_path):
         fh.write(f"{len(vectors)} 3\n".encode())
         fh.writelines(w.encode() + b" " + np.asarray(v, dtype=np.float32).tobytes() for w, v in vectors.items())
     for path in (text, binary):
-        table = synonyms.build_from_embeddings(tokens, path, top_k=1, min_cosine=0.8)
+        table = synonym_sources.build_from_embeddings(tokens, path, top_k=1, min_cosine=0.8)
         assert table.synonyms_of("big") == ["large"]
         assert table.synonyms_of("huge") == ["large"]
         assert table.synonyms_of("tiny") == []  # its nearest neighbour is below the threshold
@@ -217,13 +217,13 @@ def test_embedding_source_text_and_binary(tmp_path):
     for source, said in ((truncated, "ends after 5 of the 6 vectors"), (cased, "no word of the vocab has a vector"),
                          (tmp_path / "not_a_model", "cannot load model")):
         with pytest.raises(UserError, match=said):
-            synonyms.build_from_embeddings(tokens, source, top_k=1)
+            synonym_sources.build_from_embeddings(tokens, source, top_k=1)
 
 
 def test_tsv_source(tmp_path, tokens):
     tsv = tmp_path / "syn.tsv"
     tsv.write_text("primary\tmain\nmain\t##s\nfoo_bar\tmain\n")
-    table = synonyms.build_from_tsv(tokens, tsv)
+    table = synonym_sources.build_from_tsv(tokens, tsv)
     assert table.synonyms_of("primary") == ["main"] and table.num_entries == 1
 
 
@@ -248,7 +248,7 @@ def test_bad_inputs_are_clear_errors(tmp_path, shipped, tokens, monkeypatch):
         SynonymTable.load(tmp_path / "missing.npz")
     (tmp_path / "empty.tsv").write_text("")
     with pytest.raises(UserError, match="no `word<TAB>synonym` pair"):
-        synonyms.build_from_tsv(tokens, tmp_path / "empty.tsv")
+        synonym_sources.build_from_tsv(tokens, tmp_path / "empty.tsv")
 
 
 def test_missing_wordnet_is_one_clear_error(tmp_path, monkeypatch, tokens):
@@ -261,7 +261,7 @@ def test_missing_wordnet_is_one_clear_error(tmp_path, monkeypatch, tokens):
     monkeypatch.setattr(wordnet_setup, "default_root", lambda: tmp_path)
     try:
         with pytest.raises(UserError, match="apt-get install wordnet-base"):
-            synonyms.build_from_wordnet(tokens)
+            synonym_sources.build_from_wordnet(tokens)
     finally:
         load_wordnet.cache_clear()
 

@@ -103,14 +103,13 @@ def open_blocks(cfg: RunConfig, start: Start) -> tuple[PreparedBlocks, dict]:
 
 def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> SynonymTable | None:
     """--hc none | wordnet | embedding | FILE.npz -> SynonymTable (or None)."""
-    from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymTable, build_from_embeddings
+    from truneg.synonym_sources import build_from_embeddings, build_from_wordnet
+    from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymTable, vocab_sha256
 
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if cfg.hc == "none":
         return None
     if cfg.hc == "wordnet":
-        from truneg.synonyms import build_from_wordnet, vocab_sha256
-
         shipped = SynonymTable.load(SHIPPED_WORDNET_TABLE) if SHIPPED_WORDNET_TABLE.is_file() else None
         if shipped is not None and shipped.sha256 == vocab_sha256(tokens):
             return shipped

@@ -14,21 +14,21 @@ from truneg.errors import UserError, check_output_path, exit_on_user_error, floa
 def _synonyms_build(args) -> None:
     import time
 
-    from truneg import synonyms
+    from truneg import synonym_sources, synonyms
 
     check_output_path(args.out, "--out", folder=False)
     tokens = synonyms.read_vocab(args.vocab)
     start = time.perf_counter()
     if args.source == "wordnet":
-        table = synonyms.build_from_wordnet(tokens, morphy=not args.exact, progress=True)
+        table = synonym_sources.build_from_wordnet(tokens, morphy=not args.exact, progress=True)
     elif args.source == "embedding":
         if not args.embeddings:
             raise UserError("--source embedding needs --embeddings (a word2vec file or an HF model folder)")
-        table = synonyms.build_from_embeddings(tokens, args.embeddings, args.top_k, args.min_cosine)
+        table = synonym_sources.build_from_embeddings(tokens, args.embeddings, args.top_k, args.min_cosine)
     else:
         if not args.tsv:
             raise UserError("--source tsv needs --tsv FILE (one `word<TAB>synonym` per line)")
-        table = synonyms.build_from_tsv(tokens, args.tsv)
+        table = synonym_sources.build_from_tsv(tokens, args.tsv)
     table.save(args.out)
     print(f"{args.out}: {table.num_rows_with_synonyms} words with synonyms, {table.num_entries} entries, "
           f"source {table.source}, built in {time.perf_counter() - start:.1f} s")
