@@ -56,8 +56,6 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
     """A variant whose latest checkpoint is before --steps (a run stopped early, or an earlier invocation's)
     goes back to pre-training, which resumes it (or refuses another run's folder): it is not exported as if
     finished. The table's MRPC score is accuracy, as the paper's Table 3 reports it."""
-    import argparse
-
     import truneg.export
     import truneg.glue
     from truneg import ablation
@@ -68,9 +66,10 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
     launched = []
     monkeypatch.setattr(truneg.export, "export", lambda *a, **k: None)
     monkeypatch.setattr(truneg.glue, "finetune", lambda *a, **k: {"accuracy": 0.75, "f1": 0.8})
-    args = argparse.Namespace(tasks="mrpc", glue_dir=str(tmp_path / "glue"), output_dir=str(tmp_path / "out"), steps=6,
-                              epochs=None, lr=1e-4, batch_size=32, max_train_samples=None, seed=42, preset="bert-tiny",
-                              init_from=None)
+    from truneg.cli import build_parser
+
+    args = build_parser().parse_args(["ablation", "--tasks", "mrpc", "--glue-dir", str(tmp_path / "glue"), "--output-dir",
+                                      str(tmp_path / "out"), "--steps", "6"])
     for variant, step in (("baseline", 6), ("HC", 3), ("SR", 6), ("HC+SR", 0)):
         checkpoints = tmp_path / "out" / variant.replace("+", "_") / "checkpoints"
         checkpoints.mkdir(parents=True)
@@ -98,6 +97,7 @@ def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags
 
     from truneg import ablation
     from truneg.cli import build_parser
+    from truneg.errors import UserError
 
     commands = []
     monkeypatch.setattr(ablation.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or sp.CompletedProcess(cmd, 0))
@@ -112,3 +112,9 @@ def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags
         objectives = [(f, cmd[i + 1]) for i, f in enumerate(cmd) if f in ("--hc", "--sr")]
         assert objectives == {"baseline": [], "HC": [("--hc", "wordnet")], "SR": [("--sr", "word")],
                               "HC+SR": [("--hc", "wordnet"), ("--sr", "word")]}[variant], variant
+    # pretrain.py's own checks refuse a bad run before the first of the four launches
+    args = build_parser().parse_args(["ablation", "--seq-len", "1024", "--output-dir", str(tmp_path / "bad")])
+    commands.clear()
+    with pytest.raises(UserError, match="--seq-len 1024 is beyond the model's 512 positions"):
+        ablation.run_ablation(args)
+    assert commands == []

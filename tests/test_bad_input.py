@@ -93,9 +93,19 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
     model, out = str(MINILM), str(files / "out")
     squad, glue = ("finetune", "squad", "--model", model), ("finetune", "glue", "--task", "rte", "--model", model)
     ok = str(files / "squad_ok.json")
-    # a stride that leaves no context in a window: the tokenizer's own ValueError before
+    # a stride (the tokens windows share) that leaves no room: up front, or where the question is long, from the
+    # tokenizer's own ValueError (it names no flag); 64 of 128 is a valid pair (a stride is not the windows' distance)
     one_line(cli_in_process(*squad, "--train", ok, "--dev", ok, "--output-dir", out, "--max-seq-len", "128"),
-             "--doc-stride 128 must be below half of --max-seq-len 128")
+             "--doc-stride 128 (the tokens consecutive windows share) leaves no room in --max-seq-len 128")
+    from truneg.squad import check_doc_stride
+
+    check_doc_stride(128, 64)
+    check_doc_stride(256, 128)
+    long_question = files / "squad_long_question.json"
+    qa = {"id": "q2", "question": "which " * 60 + "?", "answers": [{"text": "Ann", "answer_start": 0}]}
+    long_question.write_text(json.dumps({"data": [{"paragraphs": [{"context": "Ann came. " * 40, "qas": [qa]}]}]}))
+    one_line(cli_in_process(*squad, "--train", str(long_question), "--dev", ok, "--output-dir", out, "--max-seq-len",
+                            "128", "--doc-stride", "64"), "--doc-stride 64 leaves no context in a window")
     one_line(cli_in_process(*squad, "--train", ok, "--dev", str(files / "squad_empty.json"), "--output-dir", out),
              "squad_empty.json has no question")
     one_line(cli_in_process(*squad, "--train", str(files / "squad_str_start.json"), "--dev", ok, "--output-dir", out),
@@ -115,3 +125,28 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
     argparse_refusal(cli_in_process("robustness", "swap-syn", "--task", "rte", "--model", model, "--data-dir", "d",
                                     "--output-dir", out, "--max-eval-samples", "0"), "--max-eval-samples", "0 is below 1")
     assert not (files / "out").exists()  # nothing was started
+
+
+def test_what_stays_accepted_and_a_sequence_longer_than_the_model(tmp_path):
+    """The checks refuse only what cannot work: HF Trainer's "auto" values in a fine-tuning config, `--num-proc 0`
+    (every CPU); pre-training's config takes no "auto" stage. fn-stats' --seq-len is bounded by the model's own
+    positions, not by 512."""
+    import numpy as np
+
+    from truneg import analysis
+    from truneg.cli import build_parser
+    from truneg.config import read_config
+    from truneg.errors import UserError
+    from truneg.models import ObjectiveConfig, build_pretrainer
+
+    hf_style = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "auto"},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "bf16": {"enabled": "auto"}}
+    (tmp_path / "hf.json").write_text(json.dumps(hf_style))
+    assert read_config(tmp_path / "hf.json", for_trainer=True) == hf_style
+    with pytest.raises(UserError, match='zero_optimization.stage is "auto"; it must be an integer'):
+        read_config(tmp_path / "hf.json")
+    assert build_parser().parse_args(["prepare", "--train-data", "x", "--out", "y", "--num-proc", "0"]).num_proc == 0
+    mlm = build_pretrainer("bert-tiny", ObjectiveConfig()).mlm
+    mlm.config.max_position_embeddings = 64
+    with pytest.raises(UserError, match="--seq-len 128 is beyond the model's 64 positions"):
+        analysis.evaluate(mlm, np.zeros((2, 128), dtype=np.int32), None, None)

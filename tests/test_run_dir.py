@@ -20,6 +20,15 @@ def world_of_one():
     dist.destroy_process_group()
 
 
+def saved(checkpoints, step: int = 5) -> None:
+    """A complete save, as every rank leaves it once truneg marks it (META, then `latest`)."""
+    from truneg.checkpoint import META_FILE
+
+    (checkpoints / f"global_step{step}").mkdir(parents=True)
+    (checkpoints / f"global_step{step}" / META_FILE).write_text("{}")
+    (checkpoints / "latest").write_text(f"global_step{step}")
+
+
 def identity(cfg: RunConfig, table_hash: str) -> dict:
     parts = {"architecture": {"family": "bert", "layers": 2}, "synonym_table": table_hash, "data": "prepared-abc"}
     return run_identity(cfg, {"optimizer": {"type": "AdamW"}}, parts)
@@ -30,7 +39,7 @@ def test_a_rebuilt_synonym_table_is_another_run_and_an_older_record_resumes_with
     claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)
     record = json.loads((tmp_path / RUN_FILE).read_text())
     assert record["synonym_table"] == "table-1" and record["data"] == "prepared-abc"
-    (tmp_path / "checkpoints" / "global_step5").mkdir(parents=True)
+    saved(tmp_path / "checkpoints")
     claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)  # the same run resumes
     with pytest.raises(UserError, match="holds another run's checkpoints"):
         claim_output_dir(cfg, identity(cfg, "table-2"), rank=0)  # same --hc string, another table
@@ -58,7 +67,7 @@ def test_a_relative_and_an_absolute_path_to_the_same_init_or_table_are_the_same_
                                                "--output-dir", str(out)]))
 
     claim_output_dir(cfg("ckpt", "my.npz"), identity(cfg("ckpt", "my.npz"), "t"), rank=0)
-    (out / "checkpoints" / "global_step5").mkdir(parents=True)
+    saved(out / "checkpoints")
     absolute = cfg(str(tmp_path / "ckpt"), str(tmp_path / "my.npz"))
     claim_output_dir(absolute, identity(absolute, "t"), rank=0)
     other = cfg(str(tmp_path / "other"), str(tmp_path / "my.npz"))
@@ -71,7 +80,7 @@ def test_an_electra_run_recorded_with_sr_sent_target_original_resumes_without_th
     cfg = RunConfig.from_args(parse_args(["--model", "electra-tiny", "--sr", "sent", "--output-dir", str(tmp_path)]))
     parts = {"architecture": {"family": "electra", "layers": 2}, "synonym_table": None, "data": "prepared-abc"}
     claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)
-    (tmp_path / "checkpoints" / "global_step5").mkdir(parents=True)
+    saved(tmp_path / "checkpoints")
     record = json.loads((tmp_path / RUN_FILE).read_text())
     (tmp_path / RUN_FILE).write_text(json.dumps({**record, "sr_sent_target": "original"}))  # as an older truneg wrote
     claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)
@@ -80,18 +89,28 @@ def test_an_electra_run_recorded_with_sr_sent_target_original_resumes_without_th
         claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)
 
 
-def test_a_run_that_stopped_before_its_first_save_leaves_nothing_that_blocks_a_corrected_command(tmp_path):
-    """A run that failed after its start (hf_config/ and run.json written, no checkpoint yet) must not make the
-    next command, with corrected arguments, say the folder holds another run's checkpoints; its model configs go."""
+def test_a_run_that_stopped_before_its_first_complete_save_leaves_nothing_that_blocks_a_corrected_command(tmp_path,
+                                                                                                       capsys):
+    """A run that failed after its start (hf_config/ and run.json written, perhaps a first save cut short) must not
+    make the next command, with corrected arguments, say the folder holds another run's checkpoints; what it left
+    goes, so that its model's configs and shards do not mix with the new run's."""
     failed = RunConfig.from_args(parse_args(["--model", "electra-tiny", "--output-dir", str(tmp_path)]))
-    claim_output_dir(failed, identity(failed, "t"), rank=0)
-    (tmp_path / "checkpoints" / "hf_config" / "generator").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "hf_config" / "generator" / "config.json").write_text("{}")
-    corrected = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path)]))
-    claim_output_dir(corrected, identity(corrected, "t"), rank=0)
-    assert json.loads((tmp_path / RUN_FILE).read_text())["model"] == "bert-tiny"
-    assert not (tmp_path / "checkpoints" / "hf_config" / "generator").exists()
-    # a real checkpoint of another run is still refused
-    (tmp_path / "checkpoints" / "global_step5").mkdir(parents=True)
+    for left in ("hf_config/generator/config.json", "global_step100/zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        claim_output_dir(failed, identity(failed, "t"), rank=0)
+        (tmp_path / "checkpoints" / left).parent.mkdir(parents=True)
+        (tmp_path / "checkpoints" / left).write_text("left behind")
+        corrected = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path)]))
+        claim_output_dir(corrected, identity(corrected, "t"), rank=0)
+        assert json.loads((tmp_path / RUN_FILE).read_text())["model"] == "bert-tiny"
+        assert not (tmp_path / "checkpoints").exists() and "held no complete checkpoint" in capsys.readouterr().out
+    # a complete checkpoint of another run is still refused, and one beside a damaged run.json is not guessed at
+    saved(tmp_path / "checkpoints")
     with pytest.raises(UserError, match="holds another run's checkpoints"):
         claim_output_dir(failed, identity(failed, "t"), rank=0)
+    (tmp_path / RUN_FILE).write_bytes(b"\xff\xfe[1, 2]")
+    with pytest.raises(UserError, match="run.json is damaged, so the checkpoints in"):
+        claim_output_dir(corrected, identity(corrected, "t"), rank=0)
+    (tmp_path / RUN_FILE).write_text("[1, 2]")
+    with pytest.raises(UserError, match="run.json is damaged"):
+        claim_output_dir(corrected, identity(corrected, "t"), rank=0)
+    assert (tmp_path / "checkpoints" / "global_step5").is_dir()

@@ -21,18 +21,26 @@ from truneg.errors import UserError, check_output_path, float_between, int_at_le
 from truneg.run_config import CHECKPOINTS
 
 VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
+
+
+def pretrain_args(variant: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """`pretrain.py`'s arguments for one variant."""
+    argv = ["--model", args.preset, "--train-data", *args.train_data, "--max-steps", str(args.steps),
+            "--save-steps", str(args.steps), "--log-steps", str(max(1, args.steps // 10)), "--seed", str(args.seed),
+            "--seq-len", str(args.seq_len), "--output-dir", str(out), *VARIANTS[variant]]
+    if args.deepspeed_config:
+        argv += ["--deepspeed_config", args.deepspeed_config]
+    if args.micro_batch_size:
+        argv += ["--micro-batch-size", str(args.micro_batch_size)]
+    if args.init_from:
+        argv += ["--init-from", args.init_from]
+    return argv
+
+
 def pretrain(variant: str, args: argparse.Namespace, out: Path) -> None:
     deepspeed = Path(sys.executable).parent / "deepspeed"
     cmd = [str(deepspeed), "--num_gpus", str(args.num_gpus), "--master_port", str(args.master_port),
-           str(Path(__file__).with_name("pretrain.py")), "--model", args.preset, "--train-data", *args.train_data,
-           "--max-steps", str(args.steps), "--save-steps", str(args.steps), "--log-steps", str(max(1, args.steps // 10)),
-           "--seed", str(args.seed), "--seq-len", str(args.seq_len), "--output-dir", str(out), *VARIANTS[variant]]
-    if args.deepspeed_config:
-        cmd += ["--deepspeed_config", args.deepspeed_config]
-    if args.micro_batch_size:
-        cmd += ["--micro-batch-size", str(args.micro_batch_size)]
-    if args.init_from:
-        cmd += ["--init-from", args.init_from]
+           str(Path(__file__).with_name("pretrain.py")), *pretrain_args(variant, args, out)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -58,7 +66,13 @@ def run_ablation(args: argparse.Namespace) -> dict:
     from truneg.checkpoint import latest_tag, step_of_tag
     from truneg.export import export
     from truneg.glue import TASKS, finetune, main_metric
+    from truneg.pretrain import parse_args
 
+    # Everything checked before the first of the four pre-trainings: the output folder, pretrain.py's own checks
+    # of its arguments, the tasks and their files.
+    check_output_path(args.output_dir, "--output-dir")
+    out = Path(args.output_dir)
+    parse_args(pretrain_args("HC+SR", args, out / "HC_SR"))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -67,8 +81,6 @@ def run_ablation(args: argparse.Namespace) -> dict:
     for task in tasks:
         if not (glue_dir / TASKS[task].folder / "train.tsv").is_file():
             raise UserError(f"{glue_dir / TASKS[task].folder / 'train.tsv'} is missing; point --glue-dir at GLUE's folders")
-    check_output_path(args.output_dir, "--output-dir")
-    out = Path(args.output_dir)
     scores: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
         run_dir = out / variant.replace("+", "_")

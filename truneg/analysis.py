@@ -115,10 +115,8 @@ def open_sequences(data: list[str], tokenizer: PreTrainedTokenizerBase, seq_len:
     """The sequences fn-stats / fn-cases run over, for --segmentation packed | line | article."""
     from truneg.corpus import is_hf, resolve_text_files
     from truneg.data import open_training_blocks
-    from truneg.models import MAX_POSITIONS
-
-    if not 8 <= seq_len <= MAX_POSITIONS:
-        raise UserError(f"--seq-len {seq_len}: use 128 or 512 (between 8 and the models' {MAX_POSITIONS} positions)")
+    if seq_len < 8:
+        raise UserError(f"--seq-len {seq_len} is too short; use 128 or 512 (at least 8)")
     if segmentation == "packed":
         return open_training_blocks(data, tokenizer, seq_len)[0]
     if any(is_hf(spec) for spec in data):
@@ -227,6 +225,9 @@ def evaluate(mlm: BertForMaskedLM | ElectraForMaskedLM, blocks: np.ndarray, toke
     from truneg.models import BertPretrainer, ElectraPretrainer, bert_masked_logits, generator_masked_logits
     from truneg.objectives import false_negative_counts, gumbel_max_sample, hard_correction
 
+    if blocks.shape[1] > mlm.config.max_position_embeddings:
+        raise UserError(f"--seq-len {blocks.shape[1]} is beyond the model's {mlm.config.max_position_embeddings} "
+                        f"positions ({label or 'the checkpoint'}); use {mlm.config.max_position_embeddings} or less")
     is_bert = isinstance(mlm, BertForMaskedLM)
     scheme, logits_of = ("bert", bert_masked_logits) if is_bert else ("electra", generator_masked_logits)
     encoder = mlm.bert if is_bert else mlm.electra

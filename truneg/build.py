@@ -150,10 +150,12 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, ds_config: dict) -> Dee
 
     from truneg.models import parameter_groups
 
+    groups = parameter_groups(model)
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model), config=ds_config)
-    except (AssertionError, ValueError, TypeError) as err:  # its parser and the optimizer it builds
-        raise UserError(f"DeepSpeed rejected the config: {str(err)[:300]}") from None
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    except (AssertionError, ValueError, TypeError) as err:  # its parser, and a value of the wrong type in a section
+        # (betas as a string, ...) that reaches the optimizer it builds
+        raise UserError(f"DeepSpeed rejected the config ({type(err).__name__}): {str(err)[:300]}") from None
     if cfg.compile:
         # Static shapes (an exact number of masked positions, gathered): one graph, no recompiles.
         engine.compile(compile_kwargs={"dynamic": False})

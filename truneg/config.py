@@ -96,7 +96,10 @@ NUMBERS = {("zero_optimization", "stage"): "an integer", ("optimizer", "params",
            ("scheduler", "params", "warmup_max_lr"): "a number"}
 
 
-def read_config(path: str | Path) -> dict:
+def read_config(path: str | Path, *, for_trainer: bool = False) -> dict:
+    """A DeepSpeed config file as a dict. For pre-training, the sections and keys truneg reads are checked for their
+    JSON types; `for_trainer` (fine-tuning through HF's Trainer, whose "auto" values and DeepSpeed's own parser
+    take the rest) checks the file only."""
     path = Path(path)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
@@ -110,6 +113,8 @@ def read_config(path: str | Path) -> dict:
                         "file") from None
     if not isinstance(config, dict):
         raise UserError(f"DeepSpeed config {path} must hold a JSON object")
+    if for_trainer:
+        return config
     for section in SECTIONS:
         value = config.get(section)
         params = value.get("params") if isinstance(value, dict) else None
@@ -122,7 +127,7 @@ def read_config(path: str | Path) -> dict:
         for key in keys[1:]:
             value = value.get(key) if isinstance(value, dict) else None
         number = isinstance(value, int) or (kind == "a number" and isinstance(value, float))
-        if value not in (None, "auto") and (isinstance(value, bool) or not number):  # "auto": HF Trainer's
+        if value is not None and (isinstance(value, bool) or not number):
             raise UserError(f"DeepSpeed config {path}: {'.'.join(keys)} is {json.dumps(value)}; it must be {kind}")
     return config
 

@@ -86,7 +86,7 @@ def add_commands(commands) -> None:
     _add_io(squad, exported)
     _add_recipe(squad, 2, None, 384)
     squad.add_argument("--doc-stride", type=int_at_least(1), default=128,
-                       help="tokens between the starts of a long context's windows; below half of --max-seq-len")
+                       help="tokens that consecutive windows of a long context share (the HF tokenizer's stride)")
     squad.add_argument("--max-eval-samples", type=int_at_least(1))
     squad.set_defaults(func=_finetune_squad)
 

@@ -181,7 +181,7 @@ def finetuning_deepspeed_config(path: str | Path) -> dict:
     """The user's DeepSpeed config for Trainer's integration: batch sizes and clipping from the command line."""
     from truneg.config import read_config
 
-    config = read_config(path)
+    config = read_config(path, for_trainer=True)
     replaced = [k for k in REPLACED_DS_SECTIONS if k in config]
     if replaced:
         print(f"truneg: note: finetune ignores the {' and '.join(replaced)} section(s) of {path}: it keeps ELECTRA's "

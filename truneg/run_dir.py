@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from truneg.checkpoint import HF_CONFIG_DIR
+from truneg.checkpoint import complete_tags
 from truneg.config import MONITORS
 from truneg.corpus import is_hf
 from truneg.distributed import on_rank_zero
@@ -74,13 +74,19 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
     out = cfg.output_dir
     identity = json.loads(json.dumps(identity))
     run_file = out / RUN_FILE
-    # hf_config/ alone is what a run that stopped before its first save leaves: nothing to resume or to keep
-    has_checkpoints = cfg.checkpoint_dir.is_dir() and any(p.name != HF_CONFIG_DIR for p in cfg.checkpoint_dir.iterdir())
+    # What a run can resume: `latest`, or a save every rank finished. A run that stopped before its first complete
+    # save leaves neither (hf_config/, perhaps a save cut short): nothing to keep, and nothing to refuse a new run for.
+    has_checkpoints = (cfg.checkpoint_dir / "latest").is_file() or bool(complete_tags(cfg.checkpoint_dir))
     missing: list[str] = []
     if run_file.is_file():
         try:
             previous = json.loads(run_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            previous = None
+        if not isinstance(previous, dict):
+            if has_checkpoints and not cfg.overwrite:
+                raise UserError(f"{run_file} is damaged, so the checkpoints in {out} cannot be matched to this run; "
+                                "restore it from a copy, or pass --overwrite to delete them and start afresh")
             previous = None
         same, missing = _same_run(previous, identity)
         different = not same
@@ -103,8 +109,11 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
             for name in (CHECKPOINTS, *filter(None, MONITORS.values())):
                 shutil.rmtree(out / name, ignore_errors=True)
             (out / METRICS).unlink(missing_ok=True)
-        elif different:  # another run's leftovers without a checkpoint: its model's configs must not mix with ours
-            shutil.rmtree(cfg.checkpoint_dir / HF_CONFIG_DIR, ignore_errors=True)
+        elif not has_checkpoints and cfg.checkpoint_dir.is_dir() and any(cfg.checkpoint_dir.iterdir()):
+            # what a run left that stopped before its first complete save: its model's configs, a save cut short
+            # (another world size's shards): they must not mix with this run's
+            shutil.rmtree(cfg.checkpoint_dir)
+            print(f"truneg: note: removed {cfg.checkpoint_dir}: it held no complete checkpoint", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         tmp = run_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")

@@ -92,22 +92,25 @@ def _some(examples: list[dict], path: str | Path, what: str) -> list[dict]:
 
 
 def check_doc_stride(max_seq_len: int, doc_stride: int) -> None:
-    """A window must advance: the stride below the context's share of --max-seq-len (the question takes the rest)."""
-    if doc_stride >= max_seq_len // 2:
-        raise UserError(f"--doc-stride {doc_stride} must be below half of --max-seq-len {max_seq_len} (the question "
-                        f"and the context share a window); e.g. --doc-stride {max(1, max_seq_len // 4)}")
+    """The stride (the tokens consecutive windows share, as the HF tokenizer takes it) must leave a window room
+    for [CLS], two [SEP] and new context; one that fits no question is refused by the tokenizer (see features)."""
+    if doc_stride >= max_seq_len - 3:
+        raise UserError(f"--doc-stride {doc_stride} (the tokens consecutive windows share) leaves no room in "
+                        f"--max-seq-len {max_seq_len}; use a smaller one, e.g. --doc-stride {max(1, max_seq_len // 3)}")
 
 
 def features(tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_len: int, stride: int, train: bool) -> dict:
-    try:
-        enc = tokenizer([e["question"].lstrip() for e in examples], [e["context"] for e in examples],
-                        truncation="only_second", max_length=max_len, stride=stride, return_overflowing_tokens=True,
-                        return_offsets_mapping=True, padding="max_length")
-    except ValueError as err:  # a question too long for the window at this stride (the tokenizer says which)
-        if "stride" not in str(err):
-            raise
-        raise UserError(f"--doc-stride {stride} leaves no context in a window of --max-seq-len {max_len} beside a long "
-                        "question; lower --doc-stride or raise --max-seq-len") from None
+    questions = [e["question"].lstrip() for e in examples]
+    # The context's share of a window is what the question and the special tokens leave; the stride must be less,
+    # or the tokenizer stops (a ValueError, or a panic of its Rust core that no `except Exception` catches).
+    longest = max(len(ids) for ids in tokenizer(questions, add_special_tokens=False)["input_ids"])
+    room = max_len - longest - tokenizer.num_special_tokens_to_add(pair=True)
+    if stride >= room:
+        raise UserError(f"--doc-stride {stride} leaves no context in a window of --max-seq-len {max_len} beside the "
+                        f"longest question ({longest} tokens); use --doc-stride below {max(room, 1)}, or a larger "
+                        "--max-seq-len")
+    enc = tokenizer(questions, [e["context"] for e in examples], truncation="only_second", max_length=max_len,
+                    stride=stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding="max_length")
     sample_map = enc.pop("overflow_to_sample_mapping")
     starts, ends = [], []
     for i, offsets in enumerate(enc["offset_mapping"]):
