@@ -122,6 +122,15 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
                                   ("--max-seq-len", "0", "0 is below 8"),
                                   ("--layerwise-decay", "1.5", "1.5 is not a finite number above 0 and at most 1")]:
         argparse_refusal(cli_in_process(*glue, "--data-dir", "d", "--output-dir", out, flag, value), flag, expected)
+    damaged, rte = files / "damaged_model", files / "rte_tiny"  # a weights file cut short (a copy that failed)
+    shutil.copytree(MINILM, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    rte.mkdir()
+    for name in ("train.tsv", "dev.tsv"):
+        (rte / name).write_text("index\tsentence1\tsentence2\tlabel\n0\tA cat.\tAn animal.\tentailment\n")
+    one_line(cli_in_process(*glue[:-2], "--model", str(damaged), "--data-dir", str(rte), "--output-dir", out),
+             f"--model {damaged}: cannot load it")
     argparse_refusal(cli_in_process("robustness", "swap-syn", "--task", "rte", "--model", model, "--data-dir", "d",
                                     "--output-dir", out, "--max-eval-samples", "0"), "--max-eval-samples", "0 is below 1")
     assert not (files / "out").exists()  # nothing was started

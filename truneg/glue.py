@@ -130,6 +130,17 @@ def compute_metrics(task_name: str, predictions: np.ndarray, labels: np.ndarray)
     return metrics
 
 
+def load_pretrained(auto_class, model_dir: Path, **kwargs):
+    """`auto_class.from_pretrained(model_dir)`, a damaged weights or config file refused in one line."""
+    from safetensors import SafetensorError
+
+    try:
+        return auto_class.from_pretrained(model_dir, **kwargs)
+    except (OSError, ValueError, SafetensorError) as err:
+        raise UserError(f"--model {model_dir}: cannot load it ({str(err)[:200]}); export the checkpoint again, or pass "
+                        "another folder") from None
+
+
 def resolve_model_dir(model: str | Path) -> Path:
     """An exported ELECTRA folder fine-tunes its discriminator; anything else is an HF model folder."""
     model = Path(model)
@@ -317,9 +328,8 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
 
     set_seed(seed)  # transformers': Python, numpy and torch (CUDA too)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_dir, num_labels=1 if regression else len(task.labels),
-        problem_type="regression" if regression else "single_label_classification")
+    model = load_pretrained(AutoModelForSequenceClassification, model_dir, num_labels=1 if regression else len(task.labels),
+                            problem_type="regression" if regression else "single_label_classification")
 
     def scores(prediction) -> dict[str, float]:
         logits = prediction.predictions
