@@ -89,24 +89,28 @@ def test_an_electra_run_recorded_with_sr_sent_target_original_resumes_without_th
         claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)
 
 
-def test_a_run_that_stopped_before_its_first_complete_save_leaves_nothing_that_blocks_a_corrected_command(tmp_path,
-                                                                                                       capsys):
-    """A run that failed after its start (hf_config/ and run.json written, perhaps a first save cut short) must not
-    make the next command, with corrected arguments, say the folder holds another run's checkpoints; what it left
-    goes, so that its model's configs and shards do not mix with the new run's."""
+def test_what_a_run_left_before_its_first_complete_save_is_named_as_such_and_a_damaged_record_is_one_line(tmp_path):
+    """A run that failed after its start (hf_config/ and run.json written, perhaps a first save cut short), or one
+    still running towards its first save: another run there is refused in a line that says so and how to go on
+    (--overwrite), not told to resume checkpoints that do not exist; the same run starts again."""
     failed = RunConfig.from_args(parse_args(["--model", "electra-tiny", "--output-dir", str(tmp_path)]))
+    corrected = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path)]))
     for left in ("hf_config/generator/config.json", "global_step100/zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         claim_output_dir(failed, identity(failed, "t"), rank=0)
         (tmp_path / "checkpoints" / left).parent.mkdir(parents=True)
         (tmp_path / "checkpoints" / left).write_text("left behind")
-        corrected = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path)]))
-        claim_output_dir(corrected, identity(corrected, "t"), rank=0)
-        assert json.loads((tmp_path / RUN_FILE).read_text())["model"] == "bert-tiny"
-        assert not (tmp_path / "checkpoints").exists() and "held no complete checkpoint" in capsys.readouterr().out
-    # a complete checkpoint of another run is still refused, and one beside a damaged run.json is not guessed at
+        with pytest.raises(UserError, match="holds what another run left before its first complete checkpoint"):
+            claim_output_dir(corrected, identity(corrected, "t"), rank=0)
+        assert (tmp_path / "checkpoints" / left).is_file()  # nothing deleted without --overwrite
+        claim_output_dir(failed, identity(failed, "t"), rank=0)  # the same run goes on
+        overwrite = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path), "--overwrite"]))
+        claim_output_dir(overwrite, identity(overwrite, "t"), rank=0)
+        assert not (tmp_path / "checkpoints").exists()
+    # a complete checkpoint of another run is refused as such, and one beside a damaged run.json is not guessed at
+    claim_output_dir(failed, identity(failed, "t"), rank=0)
     saved(tmp_path / "checkpoints")
     with pytest.raises(UserError, match="holds another run's checkpoints"):
-        claim_output_dir(failed, identity(failed, "t"), rank=0)
+        claim_output_dir(corrected, identity(corrected, "t"), rank=0)
     (tmp_path / RUN_FILE).write_bytes(b"\xff\xfe[1, 2]")
     with pytest.raises(UserError, match="run.json is damaged, so the checkpoints in"):
         claim_output_dir(corrected, identity(corrected, "t"), rank=0)

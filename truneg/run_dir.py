@@ -75,8 +75,9 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
     identity = json.loads(json.dumps(identity))
     run_file = out / RUN_FILE
     # What a run can resume: `latest`, or a save every rank finished. A run that stopped before its first complete
-    # save leaves neither (hf_config/, perhaps a save cut short): nothing to keep, and nothing to refuse a new run for.
+    # save (or one still running towards it) leaves only its model's configs, perhaps a save in progress or cut.
     has_checkpoints = (cfg.checkpoint_dir / "latest").is_file() or bool(complete_tags(cfg.checkpoint_dir))
+    has_leftovers = cfg.checkpoint_dir.is_dir() and any(cfg.checkpoint_dir.iterdir())
     missing: list[str] = []
     if run_file.is_file():
         try:
@@ -93,6 +94,10 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
     else:
         different = has_checkpoints
     fresh_start = cfg.resume == "none" and has_checkpoints
+    if different and has_leftovers and not has_checkpoints and not cfg.overwrite:
+        raise UserError(f"{out} holds what another run left before its first complete checkpoint (it stopped early, or "
+                        "is still running); pass --overwrite to delete it and start this run there, or choose another "
+                        "--output-dir")
     if (different and has_checkpoints or fresh_start) and not cfg.overwrite:
         what = "another run's checkpoints" if different else "checkpoints of this run"
         raise UserError(
@@ -109,11 +114,6 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
             for name in (CHECKPOINTS, *filter(None, MONITORS.values())):
                 shutil.rmtree(out / name, ignore_errors=True)
             (out / METRICS).unlink(missing_ok=True)
-        elif not has_checkpoints and cfg.checkpoint_dir.is_dir() and any(cfg.checkpoint_dir.iterdir()):
-            # what a run left that stopped before its first complete save: its model's configs, a save cut short
-            # (another world size's shards): they must not mix with this run's
-            shutil.rmtree(cfg.checkpoint_dir)
-            print(f"truneg: note: removed {cfg.checkpoint_dir}: it held no complete checkpoint", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         tmp = run_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")

@@ -93,7 +93,7 @@ def _some(examples: list[dict], path: str | Path, what: str) -> list[dict]:
 
 def check_doc_stride(max_seq_len: int, doc_stride: int) -> None:
     """The stride (the tokens consecutive windows share, as the HF tokenizer takes it) must leave a window room
-    for [CLS], two [SEP] and new context; one that fits no question is refused by the tokenizer (see features)."""
+    for [CLS], two [SEP] and new context: checked here before any work; beside the longest question, in features."""
     if doc_stride >= max_seq_len - 3:
         raise UserError(f"--doc-stride {doc_stride} (the tokens consecutive windows share) leaves no room in "
                         f"--max-seq-len {max_seq_len}; use a smaller one, e.g. --doc-stride {max(1, max_seq_len // 3)}")
