@@ -79,6 +79,20 @@ def test_paths_and_files_that_cannot_be_used(files):
                      "--max-sequences", "-5 is below 1")
 
 
+def test_a_damaged_exported_model_is_one_line(tmp_path, monkeypatch):
+    """An exported MLM whose weights file was cut short (a copy that failed): fn-stats says which folder."""
+    from truneg.models import ObjectiveConfig, build_pretrainer
+
+    monkeypatch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))  # the corpus is prepared before the model loads
+
+    build_pretrainer("bert-tiny", ObjectiveConfig()).mlm.save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    one_line(cli_in_process("fn-stats", "--checkpoints", str(tmp_path / "hf"), "--data", str(ASSETS / "corpus"),
+                            "--tokenizer", str(ASSETS / "vocab"), "--max-sequences", "4", "--out", str(tmp_path / "fn")),
+             f"checkpoint {tmp_path / 'hf'}: cannot load it")
+
+
 def test_a_damaged_latest_is_one_line(tmp_path):
     from truneg.checkpoint import latest_tag
     from truneg.errors import UserError

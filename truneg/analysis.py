@@ -201,11 +201,13 @@ def load_mlm(ref: CheckpointRef) -> BertForMaskedLM | ElectraForMaskedLM:
 
         parts, _ = load_parts(ref.path)
         return parts.get("mlm") or parts["generator"]
-    architectures = AutoConfig.from_pretrained(ref.path).architectures or []
+    from truneg.models import load_pretrained
+
+    architectures = load_pretrained(AutoConfig, ref.path, "checkpoint").architectures or []
     if "BertForMaskedLM" in architectures:
-        return BertForMaskedLM.from_pretrained(ref.path)
+        return load_pretrained(BertForMaskedLM, ref.path, "checkpoint")
     if "ElectraForMaskedLM" in architectures:
-        return ElectraForMaskedLM.from_pretrained(ref.path)
+        return load_pretrained(ElectraForMaskedLM, ref.path, "checkpoint")
     raise UserError(f"{ref.path} holds a {architectures or 'model'} without an MLM head; pass a BERT MLM or an ELECTRA generator")
 
 

@@ -130,17 +130,6 @@ def compute_metrics(task_name: str, predictions: np.ndarray, labels: np.ndarray)
     return metrics
 
 
-def load_pretrained(auto_class, model_dir: Path, **kwargs):
-    """`auto_class.from_pretrained(model_dir)`, a damaged weights or config file refused in one line."""
-    from safetensors import SafetensorError
-
-    try:
-        return auto_class.from_pretrained(model_dir, **kwargs)
-    except (OSError, ValueError, SafetensorError) as err:
-        raise UserError(f"--model {model_dir}: cannot load it ({str(err)[:200]}); export the checkpoint again, or pass "
-                        "another folder") from None
-
-
 def resolve_model_dir(model: str | Path) -> Path:
     """An exported ELECTRA folder fine-tunes its discriminator; anything else is an HF model folder."""
     model = Path(model)
@@ -315,6 +304,8 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
     """Fine-tune and evaluate on the dev set(s); writes and returns results.json's content."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
+    from truneg.models import load_pretrained
+
     if task_name not in TASKS:
         raise UserError(f"unknown GLUE task {task_name!r}; choose one of {', '.join(TASKS)}")
     task = TASKS[task_name]
@@ -328,7 +319,8 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
 
     set_seed(seed)  # transformers': Python, numpy and torch (CUDA too)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_pretrained(AutoModelForSequenceClassification, model_dir, num_labels=1 if regression else len(task.labels),
+    model = load_pretrained(AutoModelForSequenceClassification, model_dir, "--model",
+                            num_labels=1 if regression else len(task.labels),
                             problem_type="regression" if regression else "single_label_classification")
 
     def scores(prediction) -> dict[str, float]:

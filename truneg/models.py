@@ -368,18 +368,25 @@ def parameter_groups(model: nn.Module) -> list[dict]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def load_pretrained(cls, path: str | Path, flag: str, **kwargs):
+    """`cls.from_pretrained(path)`; a damaged or mismatched folder (a weights file cut short, a weight of another
+    shape, a config that is not JSON) refused in one line that names the flag it came from."""
+    from safetensors import SafetensorError
+
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise UserError(f"{flag} {path}: cannot load it ({str(err)[:300]}); export the checkpoint again, or pass "
+                        "another folder") from None
+
+
 def _from_pretrained(cls, path: Path):
     if not (path / "config.json").is_file():
         raise UserError(
             f"--init-from: {path} holds no HF model (config.json); pass an exported truneg folder "
             "(with generator/ and discriminator/ for ELECTRA) or an HF model folder"
         )
-    from safetensors import SafetensorError
-
-    try:
-        model, info = cls.from_pretrained(path, attn_implementation="sdpa", output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # a weight of another shape; a damaged file
-        raise UserError(f"--init-from: cannot load {path} ({str(err)[:300]})") from None
+    model, info = load_pretrained(cls, path, "--init-from", attn_implementation="sdpa", output_loading_info=True)
     # A checkpoint of another class (a BertModel, a classifier) loads with its head missing, which HF only logs:
     # pre-training would go on from a random head.
     missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]

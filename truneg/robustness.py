@@ -147,7 +147,8 @@ def evaluate_glue(task_name: str, model_dir: str | Path, data_dir: str | Path, o
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from truneg.glue import TASKS, compute_metrics, load_pretrained, main_metric, read_tsv, resolve_model_dir
+    from truneg.glue import TASKS, compute_metrics, main_metric, read_tsv, resolve_model_dir
+    from truneg.models import load_pretrained
 
     if task_name not in TASKS:
         raise UserError(f"unknown GLUE task {task_name!r}; choose one of {', '.join(TASKS)}")
@@ -158,7 +159,7 @@ def evaluate_glue(task_name: str, model_dir: str | Path, data_dir: str | Path, o
         raise UserError(f"{Path(data_dir) / task.dev_files[0]} has no example; pass the task's GLUE folder")
     transformed, index = swap_syn_glue(rows, seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_pretrained(AutoModelForSequenceClassification, model_dir).to(_device())
+    model = load_pretrained(AutoModelForSequenceClassification, model_dir, "--model").to(_device())
     regression = task.labels is None
     metric = main_metric(task_name)
     scores = {}
@@ -181,7 +182,8 @@ def evaluate_squad(model_dir: str | Path, dev_file: str | Path, output_dir: str 
 
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer
 
-    from truneg.glue import load_pretrained, resolve_model_dir
+    from truneg.glue import resolve_model_dir
+    from truneg.models import load_pretrained
     from truneg.squad import check_doc_stride, evaluate_predictions, predict_answers, read_squad
 
     check_doc_stride(max_seq_len, doc_stride)
@@ -197,7 +199,7 @@ def evaluate_squad(model_dir: str | Path, dev_file: str | Path, output_dir: str 
         distractor = add_sent_distractor(example["question"], fake, rng)
         attacked.append({**example, "context": example["context"] + " " + distractor})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_pretrained(AutoModelForQuestionAnswering, model_dir).to(_device())
+    model = load_pretrained(AutoModelForQuestionAnswering, model_dir, "--model").to(_device())
     scores = {name: evaluate_predictions(data, predict_answers(model, tokenizer, data, max_seq_len, doc_stride))
               for name, data in (("original", examples), ("transformed", attacked))}
     results = {"transform": "AddSentDiverse", **{f"{k}_{m}": v for k, d in scores.items() for m, v in d.items()},

@@ -216,7 +216,8 @@ def finetune_squad(model_dir: str | Path, train_file: str | Path, dev_file: str 
     predictions.json and the model."""
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer, set_seed
 
-    from truneg.glue import build_trainer, load_pretrained, resolve_model_dir, train_and_score
+    from truneg.glue import build_trainer, resolve_model_dir, train_and_score
+    from truneg.models import load_pretrained
 
     check_doc_stride(max_seq_len, doc_stride)
     model_dir = resolve_model_dir(model_dir)
@@ -227,7 +228,7 @@ def finetune_squad(model_dir: str | Path, train_file: str | Path, dev_file: str 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"{model_dir}'s tokenizer is not a fast tokenizer; SQuAD needs offset mappings")
-    model = load_pretrained(AutoModelForQuestionAnswering, model_dir)
+    model = load_pretrained(AutoModelForQuestionAnswering, model_dir, "--model")
     train = _Features(features(tokenizer, train_examples, max_seq_len, doc_stride, train=True))
     dev_feats = features(tokenizer, dev_examples, max_seq_len, doc_stride, train=True)
     scorer = _SquadScorer(dev_examples, dev_feats)
