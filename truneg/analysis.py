@@ -115,6 +115,7 @@ def open_sequences(data: list[str], tokenizer: PreTrainedTokenizerBase, seq_len:
     """The sequences fn-stats / fn-cases run over, for --segmentation packed | line | article."""
     from truneg.corpus import is_hf, resolve_text_files
     from truneg.data import open_training_blocks
+
     if seq_len < 8:
         raise UserError(f"--seq-len {seq_len} is too short; use 128 or 512 (at least 8)")
     if segmentation == "packed":

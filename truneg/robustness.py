@@ -184,13 +184,17 @@ def evaluate_squad(model_dir: str | Path, dev_file: str | Path, output_dir: str 
 
     from truneg.glue import resolve_model_dir
     from truneg.models import load_pretrained
-    from truneg.squad import check_doc_stride, evaluate_predictions, predict_answers, read_squad
+    from truneg.squad import (
+        check_doc_stride,
+        evaluate_predictions,
+        predict_answers,
+        read_squad,
+        some_examples,
+    )
 
     check_doc_stride(max_seq_len, doc_stride)
     model_dir = resolve_model_dir(model_dir)
-    examples = read_squad(dev_file)[:max_eval_samples]
-    if not examples:
-        raise UserError(f"{dev_file} has no question; pass a SQuAD v1.1 dev file")
+    examples = some_examples(read_squad(dev_file)[:max_eval_samples], dev_file, "question")
     rng = random.Random(seed)
     answers = [e["answers"][0] for e in examples if e["answers"]]
     attacked = []

@@ -84,7 +84,7 @@ def read_squad(path: str | Path) -> list[dict]:
     return examples
 
 
-def _some(examples: list[dict], path: str | Path, what: str) -> list[dict]:
+def some_examples(examples: list[dict], path: str | Path, what: str) -> list[dict]:
     """`examples`, refused in one line when there are none."""
     if not examples:
         raise UserError(f"{path} has no {what}; pass a SQuAD v1.1 file with some")
@@ -221,9 +221,9 @@ def finetune_squad(model_dir: str | Path, train_file: str | Path, dev_file: str 
 
     check_doc_stride(max_seq_len, doc_stride)
     model_dir = resolve_model_dir(model_dir)
-    train_examples = _some([e for e in read_squad(train_file) if e["answers"]][:max_train_samples], train_file,
-                           "answered question")
-    dev_examples = _some(read_squad(dev_file)[:max_eval_samples], dev_file, "question")
+    train_examples = some_examples([e for e in read_squad(train_file) if e["answers"]][:max_train_samples],
+                                   train_file, "answered question")
+    dev_examples = some_examples(read_squad(dev_file)[:max_eval_samples], dev_file, "question")
     set_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if not getattr(tokenizer, "is_fast", False):
