@@ -6,6 +6,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +33,9 @@ LONGEST_FIRST = ("test_reliability", "test_topology", "test_engine", "test_gpu_c
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # in one process (TEST_WORKERS=0, or a module run alone) the order changes nothing
+
     def rank(item: pytest.Item) -> int:
         module = item.path.stem
         return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
@@ -102,10 +106,16 @@ def run(cmd: list[str], env: dict, timeout: int = 300, check: bool = True) -> su
     return proc
 
 
-def start(cmd: list[str], env: dict) -> subprocess.Popen:
-    """In its own process group, so that kill -9 reaches the launcher and every rank at once."""
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def start(cmd: list[str], env: dict, log: Path | None = None) -> subprocess.Popen:
+    """In its own process group, so that kill -9 reaches the launcher and every rank at once. Its output goes to
+    a pipe, or to `log` (readable while it runs)."""
+    output = open(log, "w") if log else subprocess.PIPE  # the child keeps its own copy; ours closes below
+    try:
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    finally:
+        if log:
+            output.close()
 
 
 def shm_allreduce_buffers(port: int) -> list[Path]:
@@ -212,15 +222,15 @@ atexit.register(_report)  # registered first, so it runs last
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, launch_env, small_corpus, frequent_table):
     """Each case trained once by 2 ranks without interruption (lazily, shared by the tests of every worker, who
-    only read its folder: a test that changes a run works on a copy)."""
+    only read its folder: a test that changes a run works on a copy), each rank seen to end with its process
+    group destroyed (EXIT_PROBE)."""
     root = shared_tmp(tmp_path_factory)
     cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
     probe = root / "exit_probe"
-    with locked(root / "exit_probe.lock"):
-        if not probe.is_dir():
-            probe.with_name("exit_probe.tmp").mkdir()
-            (probe.with_name("exit_probe.tmp") / "sitecustomize.py").write_text(EXIT_PROBE)
-            probe.with_name("exit_probe.tmp").rename(probe)
+    with locked(root / "exit_probe.lock"):  # written before either worker's first reference launch
+        if not (probe / "sitecustomize.py").is_file():
+            probe.mkdir(exist_ok=True)
+            (probe / "sitecustomize.py").write_text(EXIT_PROBE)
     env = {**launch_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(probe), launch_env.get("PYTHONPATH")]))}
 
     def get(case: str):
@@ -230,6 +240,10 @@ def runs(tmp_path_factory, launch_env, small_corpus, frequent_table):
                 if not record.is_file():
                     shutil.rmtree(out, ignore_errors=True)  # a launch that failed in the other worker
                     proc = run(deepspeed_cmd(*train_args(case, out, small_corpus, frequent_table), port=free_port()), env)
+                    # every rank ends its run with its process group destroyed: one left alive is what makes
+                    # gloo abort a finished rank now and then (exit -6)
+                    ends = sorted(re.findall(r"rank (\d+) at exit: process group (\w+)", proc.stdout))
+                    assert ends == [("0", "destroyed"), ("1", "destroyed")], (case, ends)
                     record.write_text(json.dumps({"args": proc.args, "stdout": proc.stdout, "stderr": proc.stderr}))
             launched = json.loads(record.read_text())
             cache[case] = (out, subprocess.CompletedProcess(launched["args"], 0, launched["stdout"], launched["stderr"]))
