@@ -145,9 +145,9 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 
 # The ZeRO-3 cases correct with HC through a table of their own (the frequent_table fixture): WordNet's corrects
-# a few predictions in a hundred steps of a tiny model, this one some in most steps, so that HC's corrections are
-# live in these launches and their resume tests restore them bitwise. (WordNet's table runs in the other cases;
-# its content is test_synonyms'.)
+# a few predictions in a hundred steps of a tiny model, this one some in a third to a half of the 24 steps, so
+# that HC's corrections are live in these launches and their resume tests restore them bitwise. (WordNet's table
+# runs in the other cases; its content is test_synonyms'.)
 FREQUENT_TABLE = "{frequent words table}"
 CASES = {
     "bert-zero2": ("bert-tiny", "cpu_zero2.json", ()),
