@@ -281,6 +281,16 @@ def assert_resumed_as_the_reference(stdout: str, out: Path, resumed_from: int, r
     assert after == reference  # every loss, ratio and lr, bitwise (JSON keeps full float precision)
 
 
+def resume_and_match(cmd_args: list[str], out: Path, resumed_from: int, reference: list[dict], env: dict) -> None:
+    """Run the same command again: it resumes at `resumed_from`, and the whole run's records (those it kept and
+    those it wrote) equal the uninterrupted reference's."""
+    port = free_port()
+    second = run(deepspeed_cmd(*cmd_args, port=port), env)
+    # DeepSpeed's CPU allreduce buffers live in RAM-backed /dev/shm: no run may leave one behind.
+    assert shm_allreduce_buffers(port) == []
+    assert_resumed_as_the_reference(second.stdout, out, resumed_from, reference)
+
+
 def positions_from_labels(labels, max_predictions: int | None = None) -> tuple:
     """(masked_positions, masked_valid) of an MLM `labels` tensor (-100 where not masked): for tests that
     write HF-style labels. Runs on the host (it sorts a boolean mask)."""

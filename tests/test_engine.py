@@ -12,15 +12,14 @@ import torch
 from conftest import (
     MAX_STEPS,
     REPO,
-    assert_resumed_as_the_reference,
     cli_in_process,
     comparable,
     deepspeed_cmd,
     free_port,
     mid_run_copy,
     read_metrics,
+    resume_and_match,
     run,
-    shm_allreduce_buffers,
     train_args,
 )
 
@@ -60,16 +59,6 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs):
     assert [e.step for e in loss_events] == [r["samples"] for r in records]
     assert [round(e.value, 4) for e in loss_events] == [round(r["loss"], 4) for r in records]
     assert "Train/Samples/hc_iter_ratio" in events.Tags()["scalars"]
-
-
-def resume_and_match(cmd_args: list[str], out: Path, resumed_from: int, reference: list[dict], env: dict) -> None:
-    """Run the same command again: it resumes at `resumed_from`, and the whole run's records (those it kept and
-    those it wrote) equal the uninterrupted reference's."""
-    port = free_port()
-    second = run(deepspeed_cmd(*cmd_args, port=port), env)
-    # DeepSpeed's CPU allreduce buffers live in RAM-backed /dev/shm: no run may leave one behind.
-    assert shm_allreduce_buffers(port) == []
-    assert_resumed_as_the_reference(second.stdout, out, resumed_from, reference)
 
 
 @pytest.mark.parametrize("case", ["bert-zero3", "electra-zero3"])

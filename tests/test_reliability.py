@@ -18,7 +18,6 @@ import torch
 from conftest import (
     MAX_STEPS,
     REPO,
-    assert_resumed_as_the_reference,
     cli_in_process,
     comparable,
     deepspeed_cmd,
@@ -26,6 +25,7 @@ from conftest import (
     kill_group,
     mid_run_copy,
     read_metrics,
+    resume_and_match,
     run,
     shm_allreduce_buffers,
     start,
@@ -385,10 +385,7 @@ def test_repeated_kill_9_including_during_checkpoint_writes(runs, tmp_path, laun
     # by the last trial a checkpoint was complete (at the latest, the one before trial 1's new tag): it resumed
     assert kills[1][1] and f"resumed from {checkpoints} at step" in (tmp_path / "trial2.log").read_text(), kills
     assert read_metrics(out)[-1]["step"] < MAX_STEPS, kills
-    port = free_port()
-    last = run(deepspeed_cmd(*args, port=port), launch_env)
-    assert shm_allreduce_buffers(port) == []
-    assert_resumed_as_the_reference(last.stdout, out, int(kills[-1][1].removeprefix("global_step")), reference)
+    resume_and_match(args, out, int(kills[-1][1].removeprefix("global_step")), reference, launch_env)
 
 
 def test_an_orphaned_build_lock_is_told_from_one_a_live_process_holds(tmp_path):
