@@ -40,6 +40,8 @@ def files(tmp_path_factory):
     (root / "squad_empty.json").write_text(json.dumps({"version": "1.1", "data": []}))
     (root / "rte_empty").mkdir()
     (root / "rte_empty" / "train.tsv").write_text("")
+    (root / "rte_header_only").mkdir()  # a header, no example
+    (root / "rte_header_only" / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n")
     (root / "config_only").mkdir()
     if (MINILM / "config.json").is_file():
         shutil.copy(MINILM / "config.json", root / "config_only" / "config.json")
@@ -62,7 +64,7 @@ def test_paths_and_files_that_cannot_be_used(files):
                             str(files / "bad.w2v"), "--out", str(files / "t.npz")),
              "bad.w2v:3: the vector of 'home' holds a value that is not a number")
     argparse_refusal(cli_in_process("synonyms", "build", "--vocab", vocab, "--min-cosine", "5", "--out", "t.npz"),
-                     "--min-cosine", "5 is not a finite number at least -1 and at most 1")
+                     "--min-cosine", "must be a finite number >= -1 and <= 1, not 5.0")
     one_line(cli_in_process("prepare", "--train-data", str(ASSETS / "corpus"), "--out", str(files / "afile.txt")),
              "--out " + str(files / "afile.txt") + " is a file; pass a folder path")
     # checked before the checkpoint is read (which is where the time goes)
@@ -76,7 +78,26 @@ def test_paths_and_files_that_cannot_be_used(files):
     one_line(cli_in_process("fn-cases", "--checkpoint", str(files / "nowhere"), "--data", str(ASSETS / "corpus"),
                             "--out", str(files / "afile.txt")), "is a file; pass a folder path")
     argparse_refusal(cli_in_process("fn-stats", "--checkpoints", "x", "--data", "y", "--out", "z", "--max-sequences", "-5"),
-                     "--max-sequences", "-5 is below 1")
+                     "--max-sequences", "must be >= 1, not -5")
+
+
+def test_every_command_refuses_an_output_path_it_cannot_make_before_any_work(files):
+    """cli.main checks each command's declared output paths (`output_paths`) before the command runs: with every
+    other input missing, the output path's line must still be the one printed."""
+    afile, folder = str(files / "afile.txt"), str(files)
+    commands = {  # each command's name: its argv with every other input missing
+        "finetune glue": ["finetune", "glue", "--task", "rte", "--model", "m", "--data-dir", "d", "--output-dir", afile],
+        "finetune squad": ["finetune", "squad", "--model", "m", "--train", "t", "--dev", "d", "--output-dir", afile],
+        "robustness swap-syn": ["robustness", "swap-syn", "--task", "rte", "--model", "m", "--data-dir", "d",
+                                "--output-dir", afile],
+        "robustness add-sent": ["robustness", "add-sent", "--model", "m", "--dev", "d", "--output-dir", afile],
+        "fn-stats": ["fn-stats", "--checkpoints", "c", "--data", "d", "--out", afile],
+        "fn-cases": ["fn-cases", "--checkpoint", "c", "--data", "d", "--out", afile],
+        "prepare": ["prepare", "--train-data", "d", "--out", afile],
+    }
+    for argv in commands.values():
+        one_line(cli_in_process(*argv), f"{argv[-2]} {afile} is a file; pass a folder path")
+    one_line(cli_in_process("synonyms", "build", "--vocab", "v", "--out", folder), f"--out {folder} is a folder")
 
 
 def test_a_damaged_exported_model_is_one_line(tmp_path, monkeypatch):
@@ -107,10 +128,12 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
     model, out = str(MINILM), str(files / "out")
     squad, glue = ("finetune", "squad", "--model", model), ("finetune", "glue", "--task", "rte", "--model", model)
     ok = str(files / "squad_ok.json")
-    # a stride (the tokens windows share) that leaves no room: up front, or where the question is long, from the
-    # tokenizer's own ValueError (it names no flag); 64 of 128 is a valid pair (a stride is not the windows' distance)
+    # a stride (the tokens windows share) that leaves no context: up front, or beside a long question (the
+    # tokenizer would stop there, naming no flag); both from squad.check_doc_stride. 64 of 128 is a valid pair
+    # (a stride is not the windows' distance)
+    no_context = "--doc-stride {} (the tokens consecutive windows share) leaves no context in a window of --max-seq-len 128"
     one_line(cli_in_process(*squad, "--train", ok, "--dev", ok, "--output-dir", out, "--max-seq-len", "128"),
-             "--doc-stride 128 (the tokens consecutive windows share) leaves no room in --max-seq-len 128")
+             no_context.format(128) + "; use --doc-stride below 125")
     from truneg.squad import check_doc_stride
 
     check_doc_stride(128, 64)
@@ -119,7 +142,7 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
     qa = {"id": "q2", "question": "which " * 60 + "?", "answers": [{"text": "Ann", "answer_start": 0}]}
     long_question.write_text(json.dumps({"data": [{"paragraphs": [{"context": "Ann came. " * 40, "qas": [qa]}]}]}))
     one_line(cli_in_process(*squad, "--train", str(long_question), "--dev", ok, "--output-dir", out, "--max-seq-len",
-                            "128", "--doc-stride", "64"), "--doc-stride 64 leaves no context in a window")
+                            "128", "--doc-stride", "64"), no_context.format(64) + " beside the longest question (61 tokens)")
     one_line(cli_in_process(*squad, "--train", ok, "--dev", str(files / "squad_empty.json"), "--output-dir", out),
              "squad_empty.json has no question")
     one_line(cli_in_process(*squad, "--train", str(files / "squad_str_start.json"), "--dev", ok, "--output-dir", out),
@@ -131,10 +154,10 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
              "is a file; pass a folder path")
     one_line(cli_in_process("finetune", "glue", "--task", "rte", "--model", str(files / "config_only"), "--data-dir",
                             str(files / "rte_empty"), "--output-dir", out), "has a config.json but no weights")
-    for flag, value, expected in [("--lr", "-1", "-1 is not a finite number above 0"),
-                                  ("--max-train-samples", "0", "0 is below 1"),
-                                  ("--max-seq-len", "0", "0 is below 8"),
-                                  ("--layerwise-decay", "1.5", "1.5 is not a finite number above 0 and at most 1")]:
+    for flag, value, expected in [("--lr", "-1", "must be a finite number > 0, not -1.0"),
+                                  ("--max-train-samples", "0", "must be >= 1, not 0"),
+                                  ("--max-seq-len", "0", "must be >= 8, not 0"),
+                                  ("--layerwise-decay", "1.5", "must be a finite number > 0 and <= 1, not 1.5")]:
         argparse_refusal(cli_in_process(*glue, "--data-dir", "d", "--output-dir", out, flag, value), flag, expected)
     damaged, rte = files / "damaged_model", files / "rte_tiny"  # a weights file cut short (a copy that failed)
     shutil.copytree(MINILM, damaged)
@@ -145,8 +168,10 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
         (rte / name).write_text("index\tsentence1\tsentence2\tlabel\n0\tA cat.\tAn animal.\tentailment\n")
     one_line(cli_in_process(*glue[:-2], "--model", str(damaged), "--data-dir", str(rte), "--output-dir", out),
              f"--model {damaged}: cannot load it")
+    one_line(cli_in_process("robustness", "swap-syn", "--task", "rte", "--model", model, "--data-dir",
+                            str(files / "rte_header_only"), "--output-dir", out), "dev.tsv holds no examples")
     argparse_refusal(cli_in_process("robustness", "swap-syn", "--task", "rte", "--model", model, "--data-dir", "d",
-                                    "--output-dir", out, "--max-eval-samples", "0"), "--max-eval-samples", "0 is below 1")
+                                    "--output-dir", out, "--max-eval-samples", "0"), "--max-eval-samples", "must be >= 1, not 0")
     assert not (files / "out").exists()  # nothing was started
 
 
@@ -173,3 +198,23 @@ def test_what_stays_accepted_and_a_sequence_longer_than_the_model(tmp_path):
     mlm.config.max_position_embeddings = 64
     with pytest.raises(UserError, match="--seq-len 128 is beyond the model's 64 positions"):
         analysis.evaluate(mlm, np.zeros((2, 128), dtype=np.int32), None, None)
+
+
+def test_range_checks_share_one_wording_and_refuse_what_is_not_finite():
+    """errors.out_of_range words every range check (argparse's types and pretrain's preflight list alike)."""
+    from truneg.errors import float_between, int_at_least, out_of_range
+
+    inf, nan = float("inf"), float("nan")
+    assert [out_of_range(v, 0, 1, high_open=True) for v in (0.0, 0.5, 1.0, -0.1, nan, inf)] == [
+        None, None, "must be a finite number >= 0 and < 1, not 1.0", "must be a finite number >= 0 and < 1, not -0.1",
+        "must be a finite number >= 0 and < 1, not nan", "must be a finite number >= 0 and < 1, not inf"]
+    assert [out_of_range(v, 1) for v in (1, 10**12, 0, -3)] == [None, None, "must be >= 1, not 0", "must be >= 1, not -3"]
+    assert out_of_range(0.0, 0, low_open=True) == "must be a finite number > 0, not 0.0"
+    assert float_between(-1, 1, low_open=False)("-1") == -1.0 and int_at_least(8)("8") == 8
+    import argparse
+
+    for parse, text, words in [(int_at_least(1), "0", "must be >= 1, not 0"), (int_at_least(1), "x", "invalid int"),
+                               (float_between(0), "nan", "must be a finite number > 0, not nan"),
+                               (float_between(0, 1), "1.5", "must be a finite number > 0 and <= 1, not 1.5")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            parse(text)

@@ -308,4 +308,4 @@ def test_finetune_flags_take_0_epochs_and_refuse_a_batch_of_0(capsys):
     assert parser.parse_args([*base, "--epochs", "0"]).epochs == 0
     with pytest.raises(SystemExit) as exited:
         parser.parse_args([*base, "--batch-size", "0"])
-    assert exited.value.code == 2 and "argument --batch-size: 0 is below 1" in capsys.readouterr().err
+    assert exited.value.code == 2 and "argument --batch-size: must be >= 1, not 0" in capsys.readouterr().err

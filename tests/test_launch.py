@@ -271,8 +271,8 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     assert preflight.run([*argv, *out_of_range]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert [line.removeprefix("truneg: error: ") for line in errors] == [
-        "--max-nonfinite-steps must be >= 1", "--save-steps must be >= 0",
-        "--max-predictions 999 must be between 1 and --seq-len 128", "--dropout 1.5 must be in [0, 1)"]
+        "--max-nonfinite-steps must be >= 1, not 0", "--save-steps must be >= 0, not -1",
+        "--max-predictions 999 must be between 1 and --seq-len 128", "--dropout must be a finite number >= 0 and < 1, not 1.5"]
     # over several nodes with pdsh: no pdsh, and a glob each node's shell would expand on its own (`**` as `*`)
     monkeypatch.setenv("PATH", str(bare))
     (tmp_path / "corpus" / "a").mkdir(parents=True)

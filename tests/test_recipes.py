@@ -59,6 +59,8 @@ def test_batch_split_errors_name_the_numbers_and_overrides_keep_the_global_batch
         dsc.resolve_batch_sizes(dict(base), 8, 24, None)
     with pytest.raises(UserError, match=r"--gradient-accumulation-steps 3 does not divide"):
         dsc.resolve_batch_sizes(dict(base), 8, None, 3)
+    with pytest.raises(UserError, match=r"^--micro-batch-size must be >= 1, not 0$"):  # errors.out_of_range's words
+        dsc.resolve_batch_sizes(dict(base), 8, 0, None)
     config = dict(base)
     dsc.resolve_batch_sizes(config, 8, 4, None)  # keeps 128: accumulation follows
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]) == (4, 4, 128)

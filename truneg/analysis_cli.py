@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from truneg.errors import check_output_path, int_at_least
+from truneg.errors import int_at_least
 
 
 def _common(parser) -> None:
     parser.add_argument("--data", nargs="+", required=True, help="text files, folders or globs to run the MLM over")
     parser.add_argument("--synonyms", type=Path, help="synonym table (default: the shipped WordNet table)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.set_defaults(output_paths=[("out", "--out", True)])  # checked by cli.main, before the checkpoints run
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, [CLS] and [SEP] included")
     parser.add_argument("--segmentation", choices=["packed", "line", "article"], default="packed",
                         help="packed: blocks cut across lines and articles, as pre-training packs them; line / "
@@ -38,7 +39,6 @@ def _prepare(args, refs):
 def _fn_stats(args) -> None:
     from truneg.analysis import discover_checkpoints, evaluate, format_table, load_mlm, write_stats
 
-    check_output_path(args.out, "--out")  # before the checkpoints run
     refs = discover_checkpoints(args.checkpoints)
     tokenizer, _, lookup, blocks = _prepare(args, refs)
     results = []
@@ -56,7 +56,6 @@ def _fn_stats(args) -> None:
 def _fn_cases(args) -> None:
     from truneg.analysis import discover_checkpoints, evaluate, load_mlm, write_cases
 
-    check_output_path(args.out, "--out")
     refs = discover_checkpoints([args.checkpoint])
     if len(refs) != 1:
         refs = refs[-1:]  # a checkpoints folder: its newest tag

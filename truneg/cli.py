@@ -16,7 +16,6 @@ def _synonyms_build(args) -> None:
 
     from truneg import synonym_sources, synonyms
 
-    check_output_path(args.out, "--out", folder=False)
     tokens = synonyms.read_vocab(args.vocab)
     start = time.perf_counter()
     if args.source == "wordnet":
@@ -71,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     forms.add_argument("--morphy", action="store_true",
                        help="WordNet: synsets as wn.synsets(word) gives them, lemmatised (the default; kept for old scripts)")
     build.add_argument("--out", required=True, type=Path)
-    build.set_defaults(func=_synonyms_build)
+    build.set_defaults(func=_synonyms_build, output_paths=[("out", "--out", False)])
     show = syn.add_parser("show", help="print the synonyms of words")
     show.add_argument("table", type=Path)
     show.add_argument("words", nargs="+")
@@ -105,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(preflight.run(argv[1:]))
     args = build_parser().parse_args(argv)
+    # Each command's output paths (its `output_paths` default: dest, flag, folder or file), checked before any work
+    for dest, flag, folder in getattr(args, "output_paths", ()):
+        check_output_path(getattr(args, dest), flag, folder=folder)
     args.func(args)
 
 

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from truneg.errors import UserError, exit_on_user_error
+from truneg.errors import UserError, exit_on_user_error, out_of_range
 
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 CPU_CONFIG = DS_CONFIGS / "cpu_zero2.json"
@@ -156,8 +156,8 @@ def resolve_batch_sizes(config: dict, world_size: int, micro_batch: int | None, 
     if world_size < 1:
         raise UserError(f"world size {world_size}: there must be at least one rank")
     for flag, value in (("--micro-batch-size", micro_batch), ("--gradient-accumulation-steps", grad_accum)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1, not {value}")
+        if value is not None and (problem := out_of_range(value, 1)):
+            raise UserError(f"{flag} {problem}")
     total = _positive(config, "train_batch_size")
     micro_cap = _positive(config, "train_micro_batch_size_per_gpu")
     accum_config = _positive(config, "gradient_accumulation_steps")

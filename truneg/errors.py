@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,20 @@ def exit_on_user_error(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def out_of_range(value: float, low: float, high: float = math.inf, *, low_open: bool = False,
+                 high_open: bool = False) -> str | None:
+    """What is wrong with a number outside its range (None when it is inside): the one wording of every range
+    check, whether argparse's types below refuse a flag or pretrain's preflight lists every flag at once."""
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if math.isfinite(value) and above and below:
+        return None
+    bounds = [f"{'>' if low_open else '>='} {low:g}"] + ([f"{'<' if high_open else '<='} {high:g}"]
+                                                          if math.isfinite(high) else [])
+    kind = "a finite number " if isinstance(value, float) else ""
+    return f"must be {kind}{' and '.join(bounds)}, not {value}"
+
+
 def int_at_least(least: int) -> Callable[[str], int]:
     """An argparse `type` for an integer flag with a floor: below it, argparse's own one-line error and exit 2."""
     import argparse
@@ -37,29 +52,25 @@ def int_at_least(least: int) -> Callable[[str], int]:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        if problem := out_of_range(value, least):
+            raise argparse.ArgumentTypeError(problem)
         return value
 
     parse.__name__ = f"int >= {least}"  # how argparse names the type in its errors
     return parse
 
 
-def float_between(low: float, high: float = float("inf"), *, low_open: bool = True) -> Callable[[str], float]:
+def float_between(low: float, high: float = math.inf, *, low_open: bool = True) -> Callable[[str], float]:
     """An argparse `type` for a finite float in (low, high] ([low, high] with low_open=False)."""
     import argparse
-    import math
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-        above = value > low if low_open else value >= low
-        if not (math.isfinite(value) and above and value <= high):
-            floor = f"{'above' if low_open else 'at least'} {low:g}"
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number {floor}"
-                                             + (f" and at most {high:g}" if math.isfinite(high) else ""))
+        if problem := out_of_range(value, low, high, low_open=low_open):
+            raise argparse.ArgumentTypeError(problem)
         return value
 
     parse.__name__ = "float"

@@ -5,7 +5,7 @@ import contextlib
 import json
 import sys
 
-from truneg.errors import check_output_path, float_between, int_at_least
+from truneg.errors import float_between, int_at_least
 
 DEEPSPEED_HELP = ("train through HF Trainer's DeepSpeed integration (ZeRO, precision); the config's optimizer and "
                   "scheduler sections are ignored: the recipe's layer-wise AdamW groups and warmup stay")
@@ -14,7 +14,6 @@ DEEPSPEED_HELP = ("train through HF Trainer's DeepSpeed integration (ZeRO, preci
 def _finetune_glue(args) -> None:
     from truneg.glue import finetune
 
-    check_output_path(args.output_dir, "--output-dir")
     with contextlib.redirect_stdout(sys.stderr):  # stdout: the results alone (DeepSpeed prints its op builds there)
         results = finetune(args.task, args.model, args.data_dir, args.output_dir, epochs=args.epochs, lr=args.lr,
                            batch_size=args.batch_size, max_seq_len=args.max_seq_len,
@@ -26,7 +25,6 @@ def _finetune_glue(args) -> None:
 def _finetune_squad(args) -> None:
     from truneg.squad import finetune_squad
 
-    check_output_path(args.output_dir, "--output-dir")
     with contextlib.redirect_stdout(sys.stderr):
         results = finetune_squad(args.model, args.train, args.dev, args.output_dir, epochs=args.epochs, lr=args.lr,
                                  batch_size=args.batch_size, max_seq_len=args.max_seq_len, doc_stride=args.doc_stride,
@@ -39,7 +37,6 @@ def _finetune_squad(args) -> None:
 def _robustness_swap(args) -> None:
     from truneg.robustness import evaluate_glue
 
-    check_output_path(args.output_dir, "--output-dir")
     print(json.dumps(evaluate_glue(args.task, args.model, args.data_dir, args.output_dir, args.seed,
                                    args.max_eval_samples), indent=2))
 
@@ -47,7 +44,6 @@ def _robustness_swap(args) -> None:
 def _robustness_add_sent(args) -> None:
     from truneg.robustness import evaluate_squad
 
-    check_output_path(args.output_dir, "--output-dir")
     print(json.dumps(evaluate_squad(args.model, args.dev, args.output_dir, args.seed, args.max_eval_samples), indent=2))
 
 
@@ -56,6 +52,7 @@ def _add_io(parser, model_help: str) -> None:
     parser.add_argument("--model", required=True, help=model_help)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--seed", type=int, default=42)
+    parser.set_defaults(output_paths=[("output_dir", "--output-dir", True)])  # checked by cli.main, before any work
 
 
 def _add_recipe(parser, epochs: int | None, epochs_help: str | None, max_seq_len: int) -> None:

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from truneg import prepare as preparation
-from truneg.errors import UserError, check_output_path, int_at_least
+from truneg.errors import UserError, int_at_least
 
 
 def _parse_part(text: str) -> tuple[int, int]:
@@ -20,7 +20,6 @@ def _parse_part(text: str) -> tuple[int, int]:
 
 
 def _run(args) -> None:
-    check_output_path(args.out, "--out")
     if args.merge:
         out = preparation.merge(args.merge, args.out)
     else:
@@ -54,4 +53,4 @@ def add_command(commands) -> None:
                      help="tokenizer processes (default, or 0: the CPUs this process may use)")
     cmd.add_argument("--part", default="0/1", help="i/n: prepare the i-th (0-based) of n parts, e.g. one per machine")
     cmd.add_argument("--merge", nargs="+", metavar="DIR", help="join the finished parts in these folders into --out")
-    cmd.set_defaults(func=_run)
+    cmd.set_defaults(func=_run, output_paths=[("out", "--out", True)])

@@ -18,10 +18,9 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
-import math
 import os
 
-from truneg.errors import UserError, check_output_path, exit_on_user_error
+from truneg.errors import UserError, check_output_path, exit_on_user_error, out_of_range
 
 DEFAULT_OUTPUT_DIR = "runs/pretrain"
 
@@ -94,8 +93,8 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     # config.resolve_batch_sizes; --num-proc 0 means every CPU)
     floors = {"seq_len": 1, "max_steps": 1, "log_steps": 1, "max_nonfinite_steps": 1, "save_steps": 0,
               "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0, "seed": 0}
-    problems = [f"--{name.replace('_', '-')} must be >= {least}" for name, least in floors.items()
-                if getattr(args, name) is not None and getattr(args, name) < least]
+    problems = [f"--{name.replace('_', '-')} {problem}" for name, least in floors.items()
+                if getattr(args, name) is not None and (problem := out_of_range(getattr(args, name), least))]
     if args.model is not None:
         try:
             check_preset(args.model)
@@ -106,12 +105,12 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     if args.seq_len > MAX_POSITIONS:
         problems.append(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} "
                         "or less")
-    if args.dropout is not None and not 0 <= args.dropout < 1:
-        problems.append(f"--dropout {args.dropout} must be in [0, 1)")
-    if args.lr is not None and not 0 < args.lr < math.inf:  # `not <` also refuses nan
-        problems.append(f"--lr {args.lr} must be a finite number > 0")
-    if not 0 <= args.sr_weight < math.inf:
-        problems.append(f"--sr-weight {args.sr_weight} must be a finite number >= 0")
+    if args.dropout is not None and (problem := out_of_range(args.dropout, 0, 1, high_open=True)):
+        problems.append(f"--dropout {problem}")
+    if args.lr is not None and (problem := out_of_range(args.lr, 0, low_open=True)):
+        problems.append(f"--lr {problem}")
+    if problem := out_of_range(args.sr_weight, 0):
+        problems.append(f"--sr-weight {problem}")
     if args.cache_dir is not None:  # (--output-dir: preflight.path_problems)
         try:
             check_output_path(args.cache_dir, "--cache-dir")

@@ -91,24 +91,24 @@ def some_examples(examples: list[dict], path: str | Path, what: str) -> list[dic
     return examples
 
 
-def check_doc_stride(max_seq_len: int, doc_stride: int) -> None:
-    """The stride (the tokens consecutive windows share, as the HF tokenizer takes it) must leave a window room
-    for [CLS], two [SEP] and new context: checked here before any work; beside the longest question, in features."""
-    if doc_stride >= max_seq_len - 3:
-        raise UserError(f"--doc-stride {doc_stride} (the tokens consecutive windows share) leaves no room in "
-                        f"--max-seq-len {max_seq_len}; use a smaller one, e.g. --doc-stride {max(1, max_seq_len // 3)}")
+def check_doc_stride(max_seq_len: int, doc_stride: int, longest_question: int = 0, special_tokens: int = 3) -> None:
+    """The stride (the tokens consecutive windows share, as the HF tokenizer takes it) must be less than a window's
+    share of context: what [CLS], two [SEP] and the longest question leave. Checked before any work (no question
+    read yet: 0 tokens) and again in `features` beside the longest question, where the tokenizer would stop
+    otherwise (a ValueError, or a panic of its Rust core that no `except Exception` catches)."""
+    room = max_seq_len - longest_question - special_tokens
+    if doc_stride < room:
+        return
+    beside = f" beside the longest question ({longest_question} tokens)" if longest_question else ""
+    raise UserError(f"--doc-stride {doc_stride} (the tokens consecutive windows share) leaves no context in a window "
+                    f"of --max-seq-len {max_seq_len}{beside}; use --doc-stride below {max(room, 1)}, or a larger "
+                    "--max-seq-len")
 
 
 def features(tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_len: int, stride: int, train: bool) -> dict:
     questions = [e["question"].lstrip() for e in examples]
-    # The context's share of a window is what the question and the special tokens leave; the stride must be less,
-    # or the tokenizer stops (a ValueError, or a panic of its Rust core that no `except Exception` catches).
     longest = max(len(ids) for ids in tokenizer(questions, add_special_tokens=False)["input_ids"])
-    room = max_len - longest - tokenizer.num_special_tokens_to_add(pair=True)
-    if stride >= room:
-        raise UserError(f"--doc-stride {stride} leaves no context in a window of --max-seq-len {max_len} beside the "
-                        f"longest question ({longest} tokens); use --doc-stride below {max(room, 1)}, or a larger "
-                        "--max-seq-len")
+    check_doc_stride(max_len, stride, longest, tokenizer.num_special_tokens_to_add(pair=True))
     enc = tokenizer(questions, [e["context"] for e in examples], truncation="only_second", max_length=max_len,
                     stride=stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding="max_length")
     sample_map = enc.pop("overflow_to_sample_mapping")
