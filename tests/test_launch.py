@@ -302,6 +302,14 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     monkeypatch.setenv("MASTER_ADDR", "node-01")
     assert preflight.run([*glob, "--launcher", "openmpi"]) == 0
     assert preflight.run([*glob, "--launcher-args=--launcher=slurm"]) == 0  # LAUNCHER_ARGS, as the scripts pass it
+    # --check-ssh reaches the nodes LAUNCHER_ARGS leave, on their --ssh_port (deepspeed's one parse of them)
+    real_run, ssh = subprocess.run, []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: real_run(cmd, **kw) if cmd[0] != "ssh"
+                        else ssh.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    assert preflight.run([*glob, "--check-ssh", "--launcher-args=--launcher=slurm --ssh_port 2222 --include node-02@node-04"]) == 0, \
+        capsys.readouterr().err
+    monkeypatch.setattr(subprocess, "run", real_run)
+    assert [cmd[-4:] for cmd in ssh] == [["-p", "2222", node, "true"] for node in ("node-02", "node-04")], ssh
     capsys.readouterr()
     # LAUNCHER_ARGS' node filters change the world size as deepspeed's runner applies them; one node needs no pdsh
     for launcher_args, world, accumulation in (("--num_nodes=1 --num_gpus 4", "4", "128"), ("--num_nodes 2", "16", "32"),
@@ -317,16 +325,19 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     # options are split as a shell splits them (as the scripts do); launcher names as it lowers them
     from truneg.hostfile import launched_resources
 
-    assert launched_resources({}, 2, "", "4,5") == ({"localhost": 2}, None)
-    assert launched_resources({}, 8, "--launcher PDSH --num_gpus 2") == ({"localhost": 2}, "pdsh")
+    assert launched_resources({}, 2, "", "4,5")[:2] == ({"localhost": 2}, None)
+    assert launched_resources({}, 8, "--launcher PDSH --num_gpus 2")[:2] == ({"localhost": 2}, "pdsh")
     for launcher_args, said in (("--exclude localhost:0", "ignores CUDA_VISIBLE_DEVICES=4,5"),
                                 ("--num_nodes 1", "refuses --num_nodes/--num_gpus with CUDA_VISIBLE_DEVICES=4,5")):
         with pytest.raises(UserError, match=said):
             launched_resources({}, 2, launcher_args, "4,5")
-    assert launched_resources({"a": 8}, 2, "--num_gpus 2", "4,5") == ({"a": 2}, None)  # a hostfile: not read
-    assert launched_resources({"a": 8}, 2, "--include 'a'") == ({"a": 8}, None)
+    assert launched_resources({"a": 8}, 2, "--num_gpus 2", "4,5")[:2] == ({"a": 2}, None)  # a hostfile: not read
+    assert launched_resources({"a": 8}, 2, "--include 'a'")[:2] == ({"a": 8}, None)
     quoted = "--launcher openmpi --launcher_args '--mca btl_tcp_if_include ib0'"
-    assert launched_resources({"a": 8, "b": 8}, 2, quoted) == ({"a": 8, "b": 8}, "openmpi")
+    assert launched_resources({"a": 8, "b": 8}, 2, quoted)[:2] == ({"a": 8, "b": 8}, "openmpi")
+    # and the options, as deepspeed's own parser read them (one parse: the preflight's ssh check takes its port)
+    assert launched_resources({"a": 8, "b": 8}, 2, quoted).options.launcher_args == "--mca btl_tcp_if_include ib0"
+    assert launched_resources({"a": 8, "b": 8}, 2, "--ssh_port 2222").options.ssh_port == 2222
     # what the chosen runner itself refuses at launch, by its own checks: the MPI runners take no node filter,
     # srun no uneven slots; with one node left deepspeed builds no runner, and only the slot check applies
     for launcher_args, said in (("--launcher openmpi --num_gpus 4", "openmpi launcher refuses them: openmpi backend "
@@ -336,7 +347,7 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
                                 ("--launcher slurm --include a:2,3@b:0,1", "cannot select specific device ids"),
                                 ("--include 'a", "No closing quotation")):
         if said is None:
-            assert launched_resources({"a": 8, "b": 8}, 2, launcher_args) == ({"a": 8}, "mvapich")
+            assert launched_resources({"a": 8, "b": 8}, 2, launcher_args)[:2] == ({"a": 8}, "mvapich")
             continue
         with pytest.raises(UserError, match=said):
             launched_resources({"a": 8, "b": 8}, 2, launcher_args)

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from truneg.errors import UserError, exit_on_user_error
 
@@ -264,13 +265,19 @@ def launcher_options(launcher_args: str) -> argparse.Namespace:
         raise UserError(f"LAUNCHER_ARGS {launcher_args!r}: {reason}; see deepspeed --help") from None
 
 
+class Launched(NamedTuple):
+    nodes: dict[str, int]  # node -> ranks
+    launcher: str | None  # the launcher LAUNCHER_ARGS name (None: they name none)
+    options: argparse.Namespace  # DeepSpeed's own parse of LAUNCHER_ARGS
+
+
 def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: str,
-                       visible_devices: str = "") -> tuple[dict[str, int], str | None]:
-    """The nodes and GPU counts `deepspeed` itself would start for these options, and the launcher they name
-    (None when they do not name one): the hostfile's slots (or this machine's GPUs without one) narrowed by
-    --include/--exclude, --num_nodes and --num_gpus, with DeepSpeed's own parser, filters and its runners'
-    own checks of them. `visible_devices`: CUDA_VISIBLE_DEVICES, which deepspeed reads only without a
-    hostfile."""
+                       visible_devices: str = "") -> Launched:
+    """The nodes and GPU counts `deepspeed` itself would start for these options, the launcher they name and
+    the options as DeepSpeed parsed them (one parse for every caller): the hostfile's slots (or this machine's
+    GPUs without one) narrowed by --include/--exclude, --num_nodes and --num_gpus, with DeepSpeed's own
+    parser, filters and its runners' own checks of them. `visible_devices`: CUDA_VISIBLE_DEVICES, which
+    deepspeed reads only without a hostfile."""
     from deepspeed.launcher import runner
     from deepspeed.launcher.constants import PDSH_LAUNCHER  # deepspeed's default --launcher
 
@@ -286,7 +293,7 @@ def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: st
         if options.num_nodes >= 0 or options.num_gpus >= 0:
             raise UserError(f"deepspeed refuses --num_nodes/--num_gpus with CUDA_VISIBLE_DEVICES={visible_devices} "
                             "(it reads the variable as --include); drop them from LAUNCHER_ARGS")
-        return {"localhost": len(visible_devices.split(","))}, launcher
+        return Launched({"localhost": len(visible_devices.split(","))}, launcher, options)
     if options.num_nodes > 1 and not hosts:
         raise UserError(f"LAUNCHER_ARGS: --num_nodes {options.num_nodes} without a hostfile; name the nodes in one")
     pool = dict(hosts) or {"localhost": local_gpus}
@@ -307,7 +314,7 @@ def launched_resources(hosts: dict[str, int], local_gpus: int, launcher_args: st
                 probe.validate_args()
     except ValueError as err:
         raise UserError(f"LAUNCHER_ARGS: deepspeed's {options.launcher.lower()} launcher refuses them: {err}") from None
-    return {host: len(slots) for host, slots in active.items() if slots}, launcher
+    return Launched({host: len(slots) for host, slots in active.items() if slots}, launcher, options)
 
 
 @exit_on_user_error
@@ -333,8 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             from deepspeed.accelerator import get_accelerator
             from deepspeed.launcher.runner import EXPORT_ENVS
 
-            options = launcher_options(args.launcher_args)
-            nodes = launched_resources(pool, 0, args.launcher_args)[0]
+            nodes, _, options = launched_resources(pool, 0, args.launcher_args)
             if (options.force_multi or len(nodes) > 1) and not options.no_ssh:  # DeepSpeed reads the file only then
                 launcher = options.launcher.lower()
                 runner_exports = tuple(EXPORT_ENVS + get_accelerator().export_envs())

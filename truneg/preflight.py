@@ -331,7 +331,6 @@ def run(argv: list[str] | None = None) -> int:
         check_multi_node_launch,
         check_ssh,
         launched_resources,
-        launcher_options,
     )
     from truneg.pretrain import argument_problems
 
@@ -353,10 +352,11 @@ def run(argv: list[str] | None = None) -> int:
     import torch
 
     local_gpus = max(torch.cuda.device_count() if local is not None else 1, 1)  # this machine's GPUs
-    launcher = args.launcher
+    launcher, ssh_port = args.launcher, None
     try:
-        hosts, named = launched_resources(hosts, local_gpus, args.launcher_args, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
-        launcher = named or launcher
+        hosts, named, options = launched_resources(hosts, local_gpus, args.launcher_args,
+                                                   os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        launcher, ssh_port = named or launcher, options.ssh_port
     except UserError as err:
         problems.append(str(err))
     world_size = max(sum(hosts.values()), 1)
@@ -373,11 +373,7 @@ def run(argv: list[str] | None = None) -> int:
     if len(hosts) > 1:
         problems += check_multi_node_launch(args.train_data, launcher, launcher_args=args.launcher_args)
     if args.check_ssh and hosts:
-        try:
-            port = launcher_options(args.launcher_args).ssh_port
-        except UserError:
-            port = None  # said above
-        problems += check_ssh(list(hosts), port=port)
+        problems += check_ssh(list(hosts), port=ssh_port)
     if problems:
         for problem in problems:
             print(f"truneg: error: {problem}", file=sys.stderr, flush=True)
