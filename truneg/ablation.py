@@ -23,6 +23,11 @@ from truneg.run_config import CHECKPOINTS
 VARIANTS = {"baseline": [], "HC": ["--hc", "wordnet"], "SR": ["--sr", "word"], "HC+SR": ["--hc", "wordnet", "--sr", "word"]}
 
 
+def run_dir(out: Path, variant: str) -> Path:
+    """A variant's pre-training folder under --output-dir (HC+SR: HC_SR)."""
+    return out / variant.replace("+", "_")
+
+
 def pretrain_args(variant: str, args: argparse.Namespace, out: Path) -> list[str]:
     """`pretrain.py`'s arguments for one variant."""
     argv = ["--model", args.preset, "--train-data", *args.train_data, "--max-steps", str(args.steps),
@@ -72,7 +77,7 @@ def run_ablation(args: argparse.Namespace) -> dict:
     # of its arguments, the tasks and their files.
     check_output_path(args.output_dir, "--output-dir")
     out = Path(args.output_dir)
-    parse_args(pretrain_args("HC+SR", args, out / "HC_SR"))
+    parse_args(pretrain_args("HC+SR", args, run_dir(out, "HC+SR")))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -83,18 +88,18 @@ def run_ablation(args: argparse.Namespace) -> dict:
             raise UserError(f"{glue_dir / TASKS[task].folder / 'train.tsv'} is missing; point --glue-dir at GLUE's folders")
     scores: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
-        run_dir = out / variant.replace("+", "_")
-        latest = latest_tag(run_dir / CHECKPOINTS)
+        folder = run_dir(out, variant)
+        latest = latest_tag(folder / CHECKPOINTS)
         if latest is None or step_of_tag(latest) != args.steps:  # not run, or cut short: it resumes
-            pretrain(variant, args, run_dir)
-            latest = latest_tag(run_dir / CHECKPOINTS)
+            pretrain(variant, args, folder)
+            latest = latest_tag(folder / CHECKPOINTS)
             if latest is None or step_of_tag(latest) != args.steps:  # a stop signal ends a run early, with status 0
                 raise UserError(f"pre-training {variant} stopped at {latest or 'no checkpoint'}, short of --steps "
                                 f"{args.steps}; run the same ablation again to continue it")
-        export(run_dir / CHECKPOINTS, run_dir / "hf")
+        export(folder / CHECKPOINTS, folder / "hf")
         scores[variant] = {}
         for task in tasks:
-            results = finetune(task, run_dir / "hf", glue_dir / TASKS[task].folder, run_dir / "glue" / task,
+            results = finetune(task, folder / "hf", glue_dir / TASKS[task].folder, folder / "glue" / task,
                                epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                                max_train_samples=args.max_train_samples, seed=args.seed)
             scores[variant][task] = 100 * results[main_metric(task)]
