@@ -220,7 +220,7 @@ def zero_stages(work: Path) -> str:
         rates[stage] = deepspeed_rate(work, stage)
         print(f"truneg + DeepSpeed ZeRO-{stage}: {rates[stage]:.1f} samples/s ({rates[stage] / plain:.2f}x the plain loop)",
               flush=True)
-    return " ".join(f"zero{s}_vs_plain={r / plain:.3f}" for s, r in rates.items()) + f" plain={plain:.1f}"
+    return " ".join(f"zero{s}_rate_vs_plain={r / plain:.3f}" for s, r in rates.items()) + f" plain={plain:.1f}"
 
 
 # In this order when several are named: the likeliest lever first, so a short booking measures it.

@@ -17,7 +17,7 @@ with torch AdamW in place of FusedAdam, which needs a GPU), beside a plain torch
 AdamW, no DeepSpeed) measured in the same run: milliseconds per optimizer step at 4 micro-steps and at 1,
 their ratio to the plain loop, and what they imply: the host's cost per micro-step and per optimizer step,
 and the micro-batch above which a GPU at 50 % MFU (989 TFLOP/s, `bench/flops.py`'s FLOPs per sample at seq
-128) has more to do than this host. Last line: `RESULT bert_large_zero1_vs_plain=... min_micro_bert_large=...`.
+128) has more to do than this host. Last line: `RESULT bert_large_zero1_time_vs_plain=... min_micro_bert_large=...`.
 """
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ def main() -> None:
                       f"50 % MFU outworks this host from micro-batch {at[4]:.0f} (x 4) or {at[1]:.0f} (x 1)")
                 results[preset, kind] = at
             results[preset, "ratio"] = ms["zero1", 4] / ms["plain", 4]
-    print(f"RESULT bert_large_zero1_vs_plain={results['bert-large', 'ratio']:.2f} "
-          f"electra_base_zero1_vs_plain={results['electra-base', 'ratio']:.2f} "
+    print(f"RESULT bert_large_zero1_time_vs_plain={results['bert-large', 'ratio']:.2f} "
+          f"electra_base_zero1_time_vs_plain={results['electra-base', 'ratio']:.2f} "
           f"min_micro_bert_large={results['bert-large', 'zero1'][4]:.0f} "
           f"min_micro_electra_base={results['electra-base', 'zero1'][4]:.0f}", flush=True)
 
