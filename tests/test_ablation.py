@@ -50,6 +50,8 @@ def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, sm
     for variant in report["scores"]:
         results = json.loads((out / variant.replace("+", "_") / "glue" / "rte" / "results.json").read_text())
         assert results["train_samples"] == 64 and results["eval_samples"] == 277
+        # the report's score is that fine-tuning's RTE accuracy, in percent
+        assert report["scores"][variant]["rte"] == pytest.approx(100 * results["accuracy"], abs=1e-9)
 
 
 def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_path, monkeypatch):
