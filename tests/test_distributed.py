@@ -116,6 +116,21 @@ def test_each_gpu_process_is_bound_to_its_own_device_before_the_first_collective
     assert distributed.init_distributed() == (3, 4) and calls[0] == ("init", None, True)
 
 
+def started_as_mpirun(launch_env: dict, port: int, *args: str) -> tuple[list[int], list[str]]:
+    """Two ranks of `python -u pretrain.py ARGS`, each with only Open MPI's variables, as DeepSpeed's openmpi
+    runner has mpirun start them (no launcher above them to stop one rank when the other fails). Returns their
+    exit codes and outputs."""
+    env = {k: v for k, v in launch_env.items() if k not in LAUNCH_VARS}
+    procs = [subprocess.Popen([sys.executable, "-u", str(REPO / "truneg" / "pretrain.py"), *args], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**env, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank),
+                                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    return [proc.returncode for proc in procs], outputs
+
+
 def test_two_processes_started_as_mpirun_starts_them_resume_as_the_deepspeed_launchers_run(launch_env, runs,
                                                                                           small_corpus, tmp_path):
     """DeepSpeed's openmpi runner starts `python -u pretrain.py ARGS` on every slot with only Open MPI's
@@ -126,16 +141,8 @@ def test_two_processes_started_as_mpirun_starts_them_resume_as_the_deepspeed_lau
     reference = comparable(read_metrics(reference_dir))
     out, port = tmp_path / "mpirun", free_port()
     resumed_from = mid_run_copy(reference_dir, out)
-    env = {k: v for k, v in launch_env.items() if k not in LAUNCH_VARS}
-    procs = [subprocess.Popen([sys.executable, "-u", str(REPO / "truneg" / "pretrain.py"),
-                               *train_args("bert-zero2", out, small_corpus), "--data-workers", "1"], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**env, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank),
-                                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)})
-             for rank in (0, 1)]
-    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    codes, outputs = started_as_mpirun(launch_env, port, *train_args("bert-zero2", out, small_corpus), "--data-workers", "1")
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "x 2 ranks" in outputs[0]
     assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference)
     assert shm_allreduce_buffers(port) == []  # DeepSpeed's CPU allreduce buffers in /dev/shm: none left behind
@@ -147,3 +154,33 @@ def test_the_cli_takes_the_local_rank_the_deepspeed_launcher_adds(tmp_path):
                           "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "out"))
     assert "unrecognized arguments" not in proc.stderr
     assert proc.returncode == 2 and proc.stderr.startswith("truneg: error:")  # past the parser, to the missing model
+
+
+def test_a_checkpoint_file_damaged_for_one_rank_alone_stops_every_rank_with_one_line(launch_env, runs, small_corpus,
+                                                                                    tmp_path):
+    """Rank 1 alone reads its ZeRO optimizer shard. Cut short (a copy that failed), it stopped rank 1 inside
+    DeepSpeed's load while rank 0 went on into the first step's all-reduce, which rank 1 never joined (across
+    nodes: a wait until the timeout; here gloo's closed socket, a traceback). Every file of the tag is opened
+    first, a share per rank, and the outcome shared: both ranks stop with one line. Started as mpirun starts
+    them, so no launcher stops rank 0 for it."""
+    reference_dir, _ = runs("bert-zero2")
+    out, port = tmp_path / "damaged", free_port()
+    resumed_from = mid_run_copy(reference_dir, out)
+    tag = out / "checkpoints" / f"global_step{resumed_from}"
+    [shard] = tag.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    records = (out / "metrics.jsonl").read_text()
+    codes, outputs = started_as_mpirun(launch_env, port, *train_args("bert-zero2", out, small_corpus))
+    assert codes == [2, 2], outputs[0][-3000:] + outputs[1][-3000:]
+    assert not any("Traceback" in output for output in outputs), outputs
+    lines = [[line for line in output.splitlines() if line.startswith("truneg: error: ")] for output in outputs]
+    assert [len(rank_lines) for rank_lines in lines] == [1, 1], lines
+    said = {rank_lines[0].removeprefix("truneg: error: ") for rank_lines in lines}
+    damaged = next(line for line in said if f"cannot read checkpoint {tag}: {shard.name} is damaged (" in line)
+    assert "resume from another tag with --resume DIR" in damaged
+    checker = next(rank for rank, rank_lines in enumerate(lines) if damaged in rank_lines[0])
+    assert said - {damaged} == {f"rank {checker} could not read checkpoint {tag} (its own line says why); every rank "
+                                "stopped"}
+    assert (out / "checkpoints" / "latest").read_text() == f"global_step{resumed_from}"  # nothing touched
+    assert (out / "metrics.jsonl").read_text() == records
+    assert shm_allreduce_buffers(port) == []

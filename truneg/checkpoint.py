@@ -1,6 +1,6 @@
 """Checkpoints: the one place that addresses them (folder, `latest`, tag, step), saves and loads them through
-DeepSpeed's save_checkpoint / load_checkpoint, finds the resume point, keeps the newest N, and loads the
-fp32 weights into HF models (zero_to_fp32) for export and analysis.
+DeepSpeed's save_checkpoint / load_checkpoint, finds the resume point and keeps the newest N. (A tag's fp32
+weights for HF models are export.py's.)
 
 DeepSpeed stores the module, the optimizer partitions, the LR scheduler and the step counters. It stores
 no RNG state or data position, and writes `client_state` from rank 0 only, so each rank also writes
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from truneg.distributed import on_rank_zero
+from truneg.distributed import on_every_rank, on_rank_zero
 from truneg.errors import UserError
 from truneg.run_config import CHECKPOINTS
 
@@ -233,9 +233,27 @@ def _remove(folder: Path) -> None:
         shutil.rmtree(doomed)
 
 
+def _check_readable(files: list[Path], tag_dir: Path) -> None:
+    """Each file opens as torch.save wrote it (its zip directory and pickle; the tensors mapped, not read)."""
+    for path in files:
+        try:
+            torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except Exception as err:  # a file cut short, or not torch.save's
+            raise UserError(f"cannot read checkpoint {tag_dir}: {path.relative_to(tag_dir)} is damaged "
+                            f"({type(err).__name__}: {str(err)[:200]}); resume from another tag with --resume DIR, "
+                            "or start afresh with --resume none --overwrite") from None
+
+
 def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
     """Load `tag`. Returns (client_state, this rank's state, or None if the checkpoint was written by
     another world size)."""
+    # Every file of the tag opened first, a share per rank, and the outcome shared: a damaged file that one rank
+    # alone reads (its optimizer shard, its RNG state) would otherwise stop that rank inside DeepSpeed's load
+    # while the others go on into a collective it never joins (across nodes: until the timeout).
+    files = sorted((checkpoint_dir / tag).rglob("*.pt"))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    on_every_rank(lambda: _check_readable(files[rank::world_size], checkpoint_dir / tag),
+                  f"read checkpoint {checkpoint_dir / tag}")
     try:
         path, client_state = engine.load_checkpoint(
             str(checkpoint_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
@@ -328,75 +346,3 @@ def prepare_universal(point: ResumePoint, world_size: int) -> str:
 # ---------------------------------------------------------------------------------------------------
 # Loading into HF models (export, analysis)
 # ---------------------------------------------------------------------------------------------------
-
-
-def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
-    """The consolidated fp32 weights of a tag (any ZeRO stage, any world size): DeepSpeed's zero_to_fp32 for
-    ZeRO-1/2/3. It reads ZeRO partitions only; a ZeRO-0 tag (the LAMB recipe's) has none, and its one model file
-    holds the whole model as it ran (in fp16 runs, the fp16 weights; their fp32 masters are optimizer state).
-    Nor does it read BF16_Optimizer's partitions (the bf16 recipes': bf16 at ZeRO-1, fp32 accumulation)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    try:
-        model_file = checkpoint_dir / tag / "mp_rank_00_model_states.pt"  # ZeRO-3 writes one per rank instead
-        if model_file.is_file():
-            states = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
-            if (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0) == 0:
-                return {name: value.float() for name, value in states["module"].items()}
-            partitions = _bf16_optimizer_partitions(checkpoint_dir / tag)
-            if partitions:
-                return _bf16_optimizer_weights(states, partitions)
-            del states
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
-    except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
-        raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
-
-
-BF16_PARTITION = "bf16_zero_pp_rank_"  # a bf16 run's partitions: bf16_zero_pp_rank_{dp rank}_mp_rank_00_optim_states.pt
-
-
-def _bf16_optimizer_partitions(tag_dir: Path) -> list[dict]:
-    """BF16_Optimizer's optimizer states, in data-parallel rank order (memory-mapped), or [] when the tag has
-    none. DeepSpeed names every bf16 run's partitions so; only BF16_Optimizer's lack the ZeRO stage that
-    zero_to_fp32 reads (a bf16 run without fp32 accumulation has ZeRO's own optimizer)."""
-    paths = sorted(tag_dir.glob(f"{BF16_PARTITION}*_optim_states.pt"),
-                   key=lambda f: int(f.name.removeprefix(BF16_PARTITION).split("_")[0]))
-    partitions: list[dict] = []
-    for path in paths:
-        partitions.append(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"])
-        if "zero_stage" in partitions[0]:
-            return []
-    return partitions
-
-
-def _bf16_optimizer_weights(states: dict, partitions: list[dict]) -> dict:
-    """The fp32 master weights of BF16_Optimizer's partitions, in data-parallel rank order. Each rank holds
-    consecutive slices of every flat parameter group, and `param_slice_mappings` names the fragment
-    (start, numel) of each parameter in its slice; buffers and tied parameters come as zero_to_fp32 takes
-    them (the model file's `buffer_names` and `shared_params`)."""
-    fragments: dict[str, list[torch.Tensor]] = {}
-    for optimizer in partitions:
-        for flat, mapping in zip(optimizer["single_partition_of_fp32_groups"], optimizer["param_slice_mappings"]):
-            for name, fragment in mapping.items():
-                fragments.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel))
-    weights = {}
-    for group in states["param_shapes"]:
-        for name, shape in group.items():
-            flat = torch.cat(fragments.get(name, [torch.empty(0)]))
-            if flat.numel() != shape.numel():
-                raise ValueError(f"{name}: {flat.numel()} values in {len(partitions)} partitions for shape {tuple(shape)}")
-            weights[name] = flat.view(shape).clone()
-    weights.update({name: value.float() if value.is_floating_point() else value
-                    for name, value in states["module"].items() if name in states["buffer_names"]})
-    for name, shared in states["shared_params"].items():
-        weights[name] = weights[shared]
-    return weights
-
-
-def load_into(module: torch.nn.Module, state_dict: dict, where: str) -> None:
-    """load_state_dict with a strict key check and one clear line on a mismatch (DeepSpeed's own
-    load_state_dict_from_zero_checkpoint loads with strict=False and would hide it)."""
-    missing, unexpected = module.load_state_dict(state_dict, strict=False)
-    missing = [k for k in missing if not k.endswith("position_ids")]
-    if missing or unexpected:
-        raise UserError(f"checkpoint {where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -110,22 +110,41 @@ def on_rank_zero(action: Callable[[], object], what: str) -> None:
     rank whether it worked. A failure there (a full disk, a conversion that fails) stops every rank with one
     line, where the other ranks would wait in their next collective until the timeout (10 minutes) on other
     nodes: on one node the launcher kills them, across nodes nothing does."""
+    _share_outcome(_attempt(action) if dist.get_rank() == 0 else None, what)
+
+
+def on_every_rank(action: Callable[[], object], what: str) -> None:
+    """A collective: `action` runs on every rank, then one all-reduce tells each whether all of them managed. A
+    failure on some ranks alone (a file only they read is damaged) stops every rank with one line, where the
+    others would go on into a collective that the failed ranks never join."""
+    _share_outcome(_attempt(action), what)
+
+
+def _attempt(action: Callable[[], object]) -> Exception | None:
+    try:
+        action()
+    except Exception as err:  # whatever it is, the other ranks must hear of it
+        return err
+    return None
+
+
+def _share_outcome(error: Exception | None, what: str) -> None:
+    """One all-reduce of which ranks failed; each failed rank says why, every other names them."""
     from deepspeed.accelerator import get_accelerator
 
-    error: Exception | None = None
-    if dist.get_rank() == 0:
-        try:
-            action()
-        except Exception as err:  # whatever it is, the other ranks must hear of it
-            error = err
-    failed = torch.tensor([0 if error is None else 1], device=get_accelerator().current_device_name())
+    failed = torch.zeros(dist.get_world_size(), device=get_accelerator().current_device_name())
+    if error is not None:
+        failed[dist.get_rank()] = 1
     dist.all_reduce(failed)
     if isinstance(error, UserError):
         raise error
     if error is not None:
         raise UserError(f"cannot {what}: {type(error).__name__}: {error}")
-    if failed.item():
-        raise UserError(f"rank 0 could not {what} (its own line says why); every rank stopped")
+    ranks = failed.nonzero().flatten().tolist()
+    if ranks:
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        raise UserError(f"{who} could not {what} ({'its own line says' if len(ranks) == 1 else 'their own lines say'} "
+                        "why); every rank stopped")
 
 
 def shutdown() -> None:

@@ -1,6 +1,6 @@
 """Export a truneg ZeRO checkpoint to HF `save_pretrained` folders.
 
-The weights come from checkpoint.fp32_state_dict (any world size): DeepSpeed's zero_to_fp32 for ZeRO-1/2/3
+The weights come from fp32_state_dict (any world size): DeepSpeed's zero_to_fp32 for ZeRO-1/2/3
 partitions, BF16_Optimizer's fp32 masters for the bf16 recipes, and at ZeRO-0 the model file's weights as the
 run held them (fp16 in an fp16 run). The HF configs were saved beside the checkpoints when the run started.
 
@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, ElectraForPreTraining
 
@@ -63,7 +64,7 @@ def load_parts(checkpoint_path: str | Path) -> tuple[dict, int]:
     else:  # the pre-trainer's `mlm.` keys onto a bare BertForMaskedLM
         holder = nn.Module()
         holder.mlm = parts["mlm"]
-    checkpoint.load_into(holder, checkpoint.fp32_state_dict(checkpoint_dir, tag), str(checkpoint_dir / tag))
+    load_into(holder, fp32_state_dict(checkpoint_dir, tag), str(checkpoint_dir / tag))
     return parts, checkpoint.step_of_tag(tag)
 
 
@@ -92,3 +93,75 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
         save_tokenizer(tokenizer, Path(tokenizer_dir), folder)
         written[name] = folder
     return written
+
+
+def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
+    """The consolidated fp32 weights of a tag (any ZeRO stage, any world size): DeepSpeed's zero_to_fp32 for
+    ZeRO-1/2/3. It reads ZeRO partitions only; a ZeRO-0 tag (the LAMB recipe's) has none, and its one model file
+    holds the whole model as it ran (in fp16 runs, the fp16 weights; their fp32 masters are optimizer state).
+    Nor does it read BF16_Optimizer's partitions (the bf16 recipes': bf16 at ZeRO-1, fp32 accumulation)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        model_file = checkpoint_dir / tag / "mp_rank_00_model_states.pt"  # ZeRO-3 writes one per rank instead
+        if model_file.is_file():
+            states = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
+            if (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0) == 0:
+                return {name: value.float() for name, value in states["module"].items()}
+            partitions = _bf16_optimizer_partitions(checkpoint_dir / tag)
+            if partitions:
+                return _bf16_optimizer_weights(states, partitions)
+            del states
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+    except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
+        raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
+
+
+BF16_PARTITION = "bf16_zero_pp_rank_"  # a bf16 run's partitions: bf16_zero_pp_rank_{dp rank}_mp_rank_00_optim_states.pt
+
+
+def _bf16_optimizer_partitions(tag_dir: Path) -> list[dict]:
+    """BF16_Optimizer's optimizer states, in data-parallel rank order (memory-mapped), or [] when the tag has
+    none. DeepSpeed names every bf16 run's partitions so; only BF16_Optimizer's lack the ZeRO stage that
+    zero_to_fp32 reads (a bf16 run without fp32 accumulation has ZeRO's own optimizer)."""
+    paths = sorted(tag_dir.glob(f"{BF16_PARTITION}*_optim_states.pt"),
+                   key=lambda f: int(f.name.removeprefix(BF16_PARTITION).split("_")[0]))
+    partitions: list[dict] = []
+    for path in paths:
+        partitions.append(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"])
+        if "zero_stage" in partitions[0]:
+            return []
+    return partitions
+
+
+def _bf16_optimizer_weights(states: dict, partitions: list[dict]) -> dict:
+    """The fp32 master weights of BF16_Optimizer's partitions, in data-parallel rank order. Each rank holds
+    consecutive slices of every flat parameter group, and `param_slice_mappings` names the fragment
+    (start, numel) of each parameter in its slice; buffers and tied parameters come as zero_to_fp32 takes
+    them (the model file's `buffer_names` and `shared_params`)."""
+    fragments: dict[str, list[torch.Tensor]] = {}
+    for optimizer in partitions:
+        for flat, mapping in zip(optimizer["single_partition_of_fp32_groups"], optimizer["param_slice_mappings"]):
+            for name, fragment in mapping.items():
+                fragments.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel))
+    weights = {}
+    for group in states["param_shapes"]:
+        for name, shape in group.items():
+            flat = torch.cat(fragments.get(name, [torch.empty(0)]))
+            if flat.numel() != shape.numel():
+                raise ValueError(f"{name}: {flat.numel()} values in {len(partitions)} partitions for shape {tuple(shape)}")
+            weights[name] = flat.view(shape).clone()
+    weights.update({name: value.float() if value.is_floating_point() else value
+                    for name, value in states["module"].items() if name in states["buffer_names"]})
+    for name, shared in states["shared_params"].items():
+        weights[name] = weights[shared]
+    return weights
+
+
+def load_into(module: torch.nn.Module, state_dict: dict, where: str) -> None:
+    """load_state_dict with a strict key check and one clear line on a mismatch (DeepSpeed's own
+    load_state_dict_from_zero_checkpoint loads with strict=False and would hide it)."""
+    missing, unexpected = module.load_state_dict(state_dict, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:
+        raise UserError(f"checkpoint {where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
