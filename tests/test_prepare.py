@@ -206,6 +206,34 @@ def test_hf_rows_reach_the_tokenizer_about_a_chunk_of_text_at_a_time(monkeypatch
     assert chunks_digest.hexdigest() == whole_digest.hexdigest()
 
 
+def test_a_line_or_row_longer_than_a_slice_reaches_the_tokenizer_in_slices_with_the_same_ids(tokenizer, monkeypatch):
+    """A line or row can be a whole book, and the tokenizer takes some 50x what it is given at once: it gets at
+    most SLICE_CHARS characters at a time, cut before whitespace, and the ids are the whole text's."""
+    from truneg import corpus
+
+    backend, sep = tokenizer.backend_tokenizer, tokenizer.sep_token_id
+    book = " ".join(f"Chapter {i}: the primary road, colour and naïve café-owners\tran on." for i in range(40))
+    texts = ["short line", book, "", "x" * 150, "another line"]  # a run of 150 without whitespace
+
+    def whole(text: str) -> list[int]:  # the reference: the tokenizer given the whole text
+        return backend.encode(text, add_special_tokens=False).ids
+
+    monkeypatch.setattr(corpus, "SLICE_CHARS", 64)
+    given = []
+    real_encode = backend.encode_batch_fast
+    spy = type("Spy", (), {"encode_batch_fast": lambda self, batch, **kw: given.append(batch) or real_encode(batch, **kw)})()
+    lines = prepare.encode(spy, texts, sep, rows_are_documents=False)
+    assert max(sum(map(len, batch)) for batch in given) <= 64 and len(given) > len(book) // 64
+    slices = corpus.text_slices(book)
+    assert "".join(slices) == book and all(len(s) <= 64 and s[0] in " \t" for s in slices[1:])
+    assert corpus.text_slices("x" * 150) == ["x" * 64, "x" * 64, "x" * 22]  # cut where the run ends the slice
+    # the long line's ids are the whole line's: cut before whitespace, WordPiece splits the same words
+    assert lines.tolist() == whole("short line") + whole(book) + [sep] + whole("x" * 64) * 2 + whole("x" * 22) + \
+        whole("another line")
+    rows = prepare.encode(spy, [book, "a row"], sep, rows_are_documents=True)  # one [SEP] a row, however sliced
+    assert rows.tolist() == whole(book) + [sep] + whole("a row") + [sep]
+
+
 def test_hf_sources_from_the_command_line(tmp_path, tokenizer):
     import datasets
 

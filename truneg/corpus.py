@@ -8,7 +8,8 @@ process, part or restart makes it. Inside a unit, text is read in chunks of abou
 what bounds a worker's memory (not the unit size).
 
 Documents: a blank line ends a document in text files (it becomes one [SEP]); each row of
-an `hf:` dataset is a document (its tokens, then [SEP]).
+an `hf:` dataset is a document (its tokens, then [SEP]). A line or row longer than SLICE_CHARS (a whole book)
+is tokenized in slices (`text_slices`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from truneg.errors import UserError
 
 MiB = 1 << 20
 CHUNK_BYTES = 1 * MiB
+# The tokenizer takes some 50x the size of what it is given at once: longer lines and rows go to it in slices.
+SLICE_CHARS = 1 * MiB
 HF_BATCH_ROWS = 1000
 # About this many units per corpus (parallelism over processes and machines), each 1-64 MiB of text.
 UNITS_TARGET = 512
@@ -249,3 +252,18 @@ def iter_hf_unit(source: HFSource, unit: dict, digest: hashlib._Hash) -> Iterato
                 texts, size = [], 0
         if texts:
             yield texts, sum(t.count("\ufffd") for t in texts)
+
+
+def text_slices(text: str) -> list[str]:
+    """`text` in slices of at most SLICE_CHARS characters, each cut just before a space or a tab, so that the
+    slices' tokens are the text's (WordPiece splits words at whitespace; a byte-level BPE keeps the space with
+    the word after it). A run of SLICE_CHARS characters without one is cut where it ends."""
+    slices, start = [], 0
+    while len(text) - start > SLICE_CHARS:
+        end = start + SLICE_CHARS
+        cut = max(text.rfind(" ", start + 1, end + 1), text.rfind("\t", start + 1, end + 1))
+        cut = cut if cut > start else end
+        slices.append(text[start:cut])
+        start = cut
+    slices.append(text[start:])
+    return slices

@@ -154,14 +154,32 @@ def _init_worker(tokenizer_json: str, datasets_: list, one_thread: bool) -> None
 
 
 def encode(backend, texts: list[str], sep_id: int, rows_are_documents: bool) -> np.ndarray:
-    """The token stream of some lines (a blank one is a [SEP]) or rows (each followed by [SEP])."""
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    """The token stream of some lines (a blank one is a [SEP]) or rows (each followed by [SEP]). The tokenizer
+    gets at most about SLICE_CHARS characters at a time: a longer line or row in slices (corpus.text_slices)."""
+    ids: list[list[int]] = [[] for _ in texts]
+    batch: list[tuple[int, str]] = []
+    held = 0  # characters in the batch
+    for i, text in enumerate(texts):
+        for piece in corpus.text_slices(text):
+            if batch and held + len(piece) > corpus.SLICE_CHARS:
+                _encode_into(backend, batch, ids)
+                held = 0
+            batch.append((i, piece))
+            held += len(piece)
+    _encode_into(backend, batch, ids)
     if rows_are_documents:
-        pieces = list(chain.from_iterable((e.ids, (sep_id,)) for e in encodings))
+        pieces = list(chain.from_iterable((row, (sep_id,)) for row in ids))
     else:
-        pieces = [e.ids if t.strip() else (sep_id,) for t, e in zip(texts, encodings)]
+        pieces = [row if t.strip() else (sep_id,) for t, row in zip(texts, ids)]
     count = sum(map(len, pieces))
     return np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=count)
+
+
+def _encode_into(backend, batch: list[tuple[int, str]], ids: list[list[int]]) -> None:
+    """Tokenize a batch of (text index, slice) and append each slice's ids to its text's; empties the batch."""
+    for (i, _), encoding in zip(batch, backend.encode_batch_fast([t for _, t in batch], add_special_tokens=False)):
+        ids[i].extend(encoding.ids)
+    batch.clear()
 
 
 def pack_blocks(stream: np.ndarray, seq_len: int, cls_id: int, sep_id: int,
