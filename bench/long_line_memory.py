@@ -1,6 +1,6 @@
 """Peak memory of tokenizing one very long line (a whole book on one line), as `truneg prepare` does it
 (`prepare.encode`: slices of at most corpus.SLICE_CHARS characters) against the tokenizer given the whole line
-at once, each in a fresh process (peak RSS), side by side in one run, on the shared British novels.
+at once, each in a fresh process (peak RSS, Linux), side by side in one run, on the shared British novels.
 
     OMP_NUM_THREADS=1 python bench/long_line_memory.py [--mb 20]
 
@@ -18,10 +18,17 @@ REPO = Path(__file__).resolve().parent.parent
 NOVELS = REPO.parent / "shared" / "data" / "british-novels"
 
 
+def _kib(field: str) -> int:
+    """VmRSS or VmHWM (the peak) of this process, in KiB."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1])
+
+
 def measure(how: str, megabytes: int) -> dict:
-    """In this process: peak RSS growth (MiB) of tokenizing the line `how` says, and a digest of its ids."""
+    """In this process: peak RSS growth (MiB) of tokenizing the line `how` says, and a digest of its ids. The
+    peak is reset after the line is built (Linux: /proc/self/clear_refs), so the building's temporaries do not
+    hide the tokenizer's own growth."""
     import hashlib
-    import resource
 
     import numpy as np
 
@@ -31,12 +38,14 @@ def measure(how: str, megabytes: int) -> dict:
     backend = load_tokenizer().backend_tokenizer
     text = " ".join(p.read_text(encoding="utf-8", errors="replace").replace("\n", " ") for p in sorted(NOVELS.glob("*.txt")))
     line = (text * (1 + megabytes * 10**6 // len(text)))[:megabytes * 10**6]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del text
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) back to the current RSS
+    before = _kib("VmRSS")
     if how == "whole":
         ids = np.asarray(backend.encode_batch_fast([line], add_special_tokens=False)[0].ids, dtype=np.int64)
     else:
         ids = prepare.encode(backend, [line], 0, rows_are_documents=False)
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    grown = (_kib("VmHWM") - before) / 1024
     return {"mib": grown, "tokens": len(ids), "ids": hashlib.sha256(ids.tobytes()).hexdigest()}
 
 

@@ -308,8 +308,13 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
                         else ssh.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
     assert preflight.run([*glob, "--check-ssh", "--launcher-args=--launcher=slurm --ssh_port 2222 --include node-02@node-04"]) == 0, \
         capsys.readouterr().err
-    monkeypatch.setattr(subprocess, "run", real_run)
     assert [cmd[-4:] for cmd in ssh] == [["-p", "2222", node, "true"] for node in ("node-02", "node-04")], ssh
+    # options the runner refuses (said) still give --check-ssh their port, on the hostfile's nodes
+    ssh.clear()
+    assert preflight.run([*glob, "--check-ssh", "--launcher-args=--launcher openmpi --num_gpus 4 --ssh_port 2222"]) == 2
+    assert "openmpi launcher refuses them" in capsys.readouterr().err
+    assert [cmd[-4:] for cmd in ssh] == [["-p", "2222", f"node-0{n}", "true"] for n in (1, 2, 3, 4)], ssh
+    monkeypatch.setattr(subprocess, "run", real_run)
     capsys.readouterr()
     # LAUNCHER_ARGS' node filters change the world size as deepspeed's runner applies them; one node needs no pdsh
     for launcher_args, world, accumulation in (("--num_nodes=1 --num_gpus 4", "4", "128"), ("--num_nodes 2", "16", "32"),

@@ -225,13 +225,18 @@ def test_a_line_or_row_longer_than_a_slice_reaches_the_tokenizer_in_slices_with_
     lines = prepare.encode(spy, texts, sep, rows_are_documents=False)
     assert max(sum(map(len, batch)) for batch in given) <= 64 and len(given) > len(book) // 64
     slices = corpus.text_slices(book)
-    assert "".join(slices) == book and all(len(s) <= 64 and s[0] in " \t" for s in slices[1:])
+    assert "".join(slices) == book and all(len(s) <= 64 and s[0].isspace() for s in slices[1:])
     assert corpus.text_slices("x" * 150) == ["x" * 64, "x" * 64, "x" * 22]  # cut where the run ends the slice
     # the long line's ids are the whole line's: cut before whitespace, WordPiece splits the same words
     assert lines.tolist() == whole("short line") + whole(book) + [sep] + whole("x" * 64) * 2 + whole("x" * 22) + \
         whole("another line")
     rows = prepare.encode(spy, [book, "a row"], sep, rows_are_documents=True)  # one [SEP] a row, however sliced
     assert rows.tolist() == whole(book) + [sep] + whole("a row") + [sep]
+    # rows keep their newlines; other scripts' spaces (U+3000) are whitespace to the tokenizer too
+    for sep_char in ("\n", "\u3000"):
+        text = sep_char.join(f"primary{i} road" for i in range(30))
+        assert all(s[0] == sep_char or s[0] == " " for s in corpus.text_slices(text)[1:])
+        assert prepare.encode(spy, [text], sep, rows_are_documents=True).tolist() == whole(text) + [sep]
 
 
 def test_hf_sources_from_the_command_line(tmp_path, tokenizer):

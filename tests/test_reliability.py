@@ -268,6 +268,41 @@ def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path
     assert "Traceback" not in proc.stderr and (out / "checkpoints" / "latest").read_text() == "global_step16"
 
 
+def test_the_load_pre_check_reads_what_the_load_reads_in_any_torch_format_and_names_a_damaged_file(tmp_path):
+    """checkpoint.load opens a tag's files before DeepSpeed's load (the two-rank case: test_distributed): the
+    files this world reads (not the RNG states of ranks it lacks, nor ds_to_universal's leftover tmp/), in
+    torch's zip format or its legacy one (`checkpoint_serialization: false`), and a file cut short is named."""
+    import torch
+
+    from truneg import checkpoint
+    from truneg.errors import UserError
+
+    tag = tmp_path / "global_step8"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "truneg_rank00000.pt", "truneg_rank00001.pt", "zero/dense.weight/fp32.pt", "zero/optimizer_state.pt",
+                 "tmp/dense.weight/0.pt"):
+        (tag / name).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": torch.arange(1000.0), "name": name}, tag / name)
+    legacy = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"state": torch.ones(1000)}, legacy, _use_new_zipfile_serialization=False)
+    loaded = [p.relative_to(tag).as_posix() for p in checkpoint._files_to_load(tag, world_size=1)]
+    assert loaded == ["mp_rank_00_model_states.pt", "truneg_rank00000.pt", "zero/dense.weight/fp32.pt",
+                      "zero/optimizer_state.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                      "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert "truneg_rank00001.pt" in [p.name for p in checkpoint._files_to_load(tag, world_size=2)]
+    checkpoint._check_readable(checkpoint._files_to_load(tag, 2), tag)  # the legacy file too
+    for cut in (tag / "zero" / "optimizer_state.pt", legacy):
+        cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+        with pytest.raises(UserError, match=rf"cannot read checkpoint {tag}: {cut.relative_to(tag)} is damaged \("):
+            checkpoint._check_readable([cut], tag)
+    unreadable = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    unreadable.unlink()
+    unreadable.mkdir()  # an OSError, not the file's content: said as such, not "damaged"
+    with pytest.raises(UserError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt: .*Is a directory.*check its "
+                                        r"permissions and file system"):
+        checkpoint._check_readable([unreadable], tag)
+
+
 def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path):
     """--resume of an older tag rolls the run back; its next save of the newer step clears the old folder (and a
     leftover of a kill during an earlier removal), but `latest` goes back to the newest complete tag first, so a

@@ -147,9 +147,12 @@ def convert_to_universal(checkpoint_dir: Path, tag: str) -> Path:
     return out
 
 
+RANK_STATE_PREFIX = "truneg_rank"
+
+
 def rank_state_file(checkpoint_dir: Path, tag: str, rank: int) -> Path:
     """The rank's own state in a tag (data position, RNG): DeepSpeed's files hold the model and optimizer."""
-    return checkpoint_dir / tag / f"truneg_rank{rank:05d}.pt"
+    return checkpoint_dir / tag / f"{RANK_STATE_PREFIX}{rank:05d}.pt"
 
 
 def save(engine: DeepSpeedEngine, checkpoint_dir: Path, step: int, client_state: dict, rank_state: dict) -> str:
@@ -234,14 +237,30 @@ def _remove(folder: Path) -> None:
 
 
 def _check_readable(files: list[Path], tag_dir: Path) -> None:
-    """Each file opens as torch.save wrote it (its zip directory and pickle; the tensors mapped, not read)."""
+    """Each file opens as torch.save wrote it: memory-mapped (its zip directory and pickle, not the tensors'
+    bytes), or read whole where that cannot be (a file in torch's legacy format, `checkpoint_serialization:
+    false`; a file system without mmap)."""
     for path in files:
         try:
-            torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            try:
+                torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            except Exception:
+                torch.load(path, map_location="cpu", weights_only=False)
+        except OSError as err:  # not the file's fault: permissions, memory, the file system
+            raise UserError(f"cannot read checkpoint {tag_dir}: {path.relative_to(tag_dir)}: {err}; check its "
+                            "permissions and file system, or resume from another tag with --resume DIR") from None
         except Exception as err:  # a file cut short, or not torch.save's
             raise UserError(f"cannot read checkpoint {tag_dir}: {path.relative_to(tag_dir)} is damaged "
                             f"({type(err).__name__}: {str(err)[:200]}); resume from another tag with --resume DIR, "
                             "or start afresh with --resume none --overwrite") from None
+
+
+def _files_to_load(tag_dir: Path, world_size: int) -> list[Path]:
+    """The tag's files that a load on `world_size` ranks reads: its own *.pt (not the RNG states of ranks this
+    world does not have) and, in a universal tag, those under zero/ (not ds_to_universal's leftover tmp/)."""
+    files = [p for p in tag_dir.glob("*.pt")
+             if not (p.name.startswith(RANK_STATE_PREFIX) and int(p.stem.removeprefix(RANK_STATE_PREFIX)) >= world_size)]
+    return sorted(files + list(tag_dir.glob("zero/**/*.pt")))
 
 
 def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
@@ -250,8 +269,8 @@ def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict,
     # Every file of the tag opened first, a share per rank, and the outcome shared: a damaged file that one rank
     # alone reads (its optimizer shard, its RNG state) would otherwise stop that rank inside DeepSpeed's load
     # while the others go on into a collective it never joins (across nodes: until the timeout).
-    files = sorted((checkpoint_dir / tag).rglob("*.pt"))
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    files = _files_to_load(checkpoint_dir / tag, world_size)
     on_every_rank(lambda: _check_readable(files[rank::world_size], checkpoint_dir / tag),
                   f"read checkpoint {checkpoint_dir / tag}")
     try:
@@ -341,8 +360,3 @@ def prepare_universal(point: ResumePoint, world_size: int) -> str:
 
     on_rank_zero(convert, f"convert {point.checkpoint_dir / point.tag} to a universal checkpoint")
     return universal_tag(point.tag)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Loading into HF models (export, analysis)
-# ---------------------------------------------------------------------------------------------------

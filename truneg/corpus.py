@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,15 +255,18 @@ def iter_hf_unit(source: HFSource, unit: dict, digest: hashlib._Hash) -> Iterato
             yield texts, sum(t.count("\ufffd") for t in texts)
 
 
+_LAST_SPACE = re.compile(r"\s\S*\Z")  # searched between two positions: the last whitespace character before the end
+
+
 def text_slices(text: str) -> list[str]:
-    """`text` in slices of at most SLICE_CHARS characters, each cut just before a space or a tab, so that the
-    slices' tokens are the text's (WordPiece splits words at whitespace; a byte-level BPE keeps the space with
-    the word after it). A run of SLICE_CHARS characters without one is cut where it ends."""
+    """`text` in slices of at most SLICE_CHARS characters, each cut just before a whitespace character, so that
+    the slices' tokens are the text's (WordPiece splits words at whitespace; a byte-level BPE keeps the space
+    with the word after it). A run of SLICE_CHARS characters without whitespace is cut where it ends."""
     slices, start = [], 0
     while len(text) - start > SLICE_CHARS:
         end = start + SLICE_CHARS
-        cut = max(text.rfind(" ", start + 1, end + 1), text.rfind("\t", start + 1, end + 1))
-        cut = cut if cut > start else end
+        space = _LAST_SPACE.search(text, start + 1, end + 1)
+        cut = space.start() if space else end
         slices.append(text[start:cut])
         start = cut
     slices.append(text[start:])

@@ -35,7 +35,7 @@ def out_of_range(value: float, low: float, high: float = math.inf, *, low_open: 
     check, whether argparse's types below refuse a flag or pretrain's preflight lists every flag at once."""
     above = value > low if low_open else value >= low
     below = value < high if high_open else value <= high
-    if math.isfinite(value) and above and below:
+    if (not isinstance(value, float) or math.isfinite(value)) and above and below:  # (an int of any size is finite)
         return None
     bounds = [f"{'>' if low_open else '>='} {low:g}"] + ([f"{'<' if high_open else '<='} {high:g}"]
                                                           if math.isfinite(high) else [])

@@ -95,6 +95,11 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
     return written
 
 
+# ---------------------------------------------------------------------------------------------------
+# A tag's fp32 weights (export, analysis, continued pre-training from an export)
+# ---------------------------------------------------------------------------------------------------
+
+
 def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
     """The consolidated fp32 weights of a tag (any ZeRO stage, any world size): DeepSpeed's zero_to_fp32 for
     ZeRO-1/2/3. It reads ZeRO partitions only; a ZeRO-0 tag (the LAMB recipe's) has none, and its one model file

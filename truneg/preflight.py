@@ -12,6 +12,7 @@ pretrain.py's start-up calls, before deepspeed.init_distributed:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -331,6 +332,7 @@ def run(argv: list[str] | None = None) -> int:
         check_multi_node_launch,
         check_ssh,
         launched_resources,
+        launcher_options,
     )
     from truneg.pretrain import argument_problems
 
@@ -359,6 +361,8 @@ def run(argv: list[str] | None = None) -> int:
         launcher, ssh_port = named or launcher, options.ssh_port
     except UserError as err:
         problems.append(str(err))
+        with contextlib.suppress(UserError):  # options deepspeed parses but its runner refuses: --check-ssh's port
+            ssh_port = launcher_options(args.launcher_args).ssh_port
     world_size = max(sum(hosts.values()), 1)
     if not args.hostfile:
         hosts = {}  # one machine: no node checks
