@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from truneg import distributed
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 VENV_BIN = Path(sys.executable).parent
@@ -254,6 +256,28 @@ def runs(tmp_path_factory, launch_env, small_corpus, frequent_table):
 
 def comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+# Every variable a launcher sets for a rank (torch's, the MPI launchers', Slurm's): a bare process has none.
+LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} | {
+    name for names in distributed.MPI_LAUNCHER_VARS for name in names} | {
+    "SLURM_NTASKS", "SLURM_PTY_PORT", *distributed.LOCAL_RANK_FALLBACKS}
+
+
+def started_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]]) -> tuple[list[int], list[str]]:
+    """One `python -u pretrain.py ARGV` per rank, each with only Open MPI's variables, as DeepSpeed's openmpi
+    runner has mpirun start them (no launcher above them to stop one rank when another fails; no runner or node
+    launcher to pay for). Returns their exit codes and outputs."""
+    env = {k: v for k, v in launch_env.items() if k not in LAUNCH_VARS}
+    size = len(argv_of_rank)
+    procs = [subprocess.Popen([sys.executable, "-u", str(REPO / "truneg" / "pretrain.py"), *argv], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**env, "OMPI_COMM_WORLD_SIZE": str(size), "OMPI_COMM_WORLD_RANK": str(rank),
+                                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
+             for rank, argv in enumerate(argv_of_rank)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    return [proc.returncode for proc in procs], outputs
 
 
 def mid_run_copy(reference_dir: Path, out: Path) -> int:

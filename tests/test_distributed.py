@@ -4,13 +4,11 @@ and slurm runners set no RANK), each GPU process bound to its own device before 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import types
 
 import pytest
 from conftest import (
-    REPO,
+    LAUNCH_VARS,
     assert_resumed_as_the_reference,
     cli_in_process,
     comparable,
@@ -18,15 +16,12 @@ from conftest import (
     mid_run_copy,
     read_metrics,
     shm_allreduce_buffers,
+    started_as_mpirun,
     train_args,
 )
 
 from truneg import distributed
 from truneg.errors import UserError
-
-LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} | {
-    name for names in distributed.MPI_LAUNCHER_VARS for name in names} | {
-    "SLURM_NTASKS", "SLURM_PTY_PORT", *distributed.LOCAL_RANK_FALLBACKS}
 
 
 @pytest.fixture
@@ -116,21 +111,6 @@ def test_each_gpu_process_is_bound_to_its_own_device_before_the_first_collective
     assert distributed.init_distributed() == (3, 4) and calls[0] == ("init", None, True)
 
 
-def started_as_mpirun(launch_env: dict, port: int, *args: str) -> tuple[list[int], list[str]]:
-    """Two ranks of `python -u pretrain.py ARGS`, each with only Open MPI's variables, as DeepSpeed's openmpi
-    runner has mpirun start them (no launcher above them to stop one rank when the other fails). Returns their
-    exit codes and outputs."""
-    env = {k: v for k, v in launch_env.items() if k not in LAUNCH_VARS}
-    procs = [subprocess.Popen([sys.executable, "-u", str(REPO / "truneg" / "pretrain.py"), *args], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**env, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank),
-                                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)})
-             for rank in (0, 1)]
-    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    return [proc.returncode for proc in procs], outputs
-
-
 def test_two_processes_started_as_mpirun_starts_them_resume_as_the_deepspeed_launchers_run(launch_env, runs,
                                                                                           small_corpus, tmp_path):
     """DeepSpeed's openmpi runner starts `python -u pretrain.py ARGS` on every slot with only Open MPI's
@@ -141,7 +121,8 @@ def test_two_processes_started_as_mpirun_starts_them_resume_as_the_deepspeed_lau
     reference = comparable(read_metrics(reference_dir))
     out, port = tmp_path / "mpirun", free_port()
     resumed_from = mid_run_copy(reference_dir, out)
-    codes, outputs = started_as_mpirun(launch_env, port, *train_args("bert-zero2", out, small_corpus), "--data-workers", "1")
+    argv = [*train_args("bert-zero2", out, small_corpus), "--data-workers", "1"]
+    codes, outputs = started_as_mpirun(launch_env, port, [argv, argv])
     assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "x 2 ranks" in outputs[0]
     assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference)
@@ -170,7 +151,8 @@ def test_a_checkpoint_file_damaged_for_one_rank_alone_stops_every_rank_with_one_
     [shard] = tag.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
     shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
     records = (out / "metrics.jsonl").read_text()
-    codes, outputs = started_as_mpirun(launch_env, port, *train_args("bert-zero2", out, small_corpus))
+    argv = train_args("bert-zero2", out, small_corpus)
+    codes, outputs = started_as_mpirun(launch_env, port, [argv, argv])
     assert codes == [2, 2], outputs[0][-3000:] + outputs[1][-3000:]
     assert not any("Traceback" in output for output in outputs), outputs
     lines = [[line for line in output.splitlines() if line.startswith("truneg: error: ")] for output in outputs]

@@ -22,6 +22,7 @@ from conftest import (
     read_metrics,
     run,
     start,
+    started_as_mpirun,
     train_args,
     wait_for,
 )
@@ -176,14 +177,16 @@ def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launc
     out = tmp_path / "two_nodes"
     args = train_args("bert-zero2", out, small_corpus)
 
-    def launch_nodes(port: int, node_args=(args, args)):
+    def launch_nodes(port: int):
         return [start([str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
                        f"--node_rank={node}", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                       str(REPO / "truneg" / "pretrain.py"), *node_args[node]], launch_env) for node in (0, 1)]
+                       str(REPO / "truneg" / "pretrain.py"), *args], launch_env) for node in (0, 1)]
 
-    # Node 1 with an output folder of its own (node-local storage): every rank stops with one line.
-    nodes = launch_nodes(free_port(), (args, train_args("bert-zero2", tmp_path / "node_local", small_corpus)))
-    outputs = [proc.communicate(timeout=300)[0] for proc in nodes]
+    # Rank 1 with an output folder of its own (node-local storage): every rank stops with one line. (The start-up
+    # checks are the ranks' own: two ranks as mpirun starts them, without the runners and node launchers.)
+    codes, outputs = started_as_mpirun(launch_env, free_port(),
+                                       [args, train_args("bert-zero2", tmp_path / "node_local", small_corpus)])
+    assert codes == [2, 2], outputs[0][-3000:]
     for output in outputs:
         assert "ranks do not see" in output and "must be one folder every node shares" in output, output[-2000:]
     assert not (out / "checkpoints").exists()
@@ -201,12 +204,11 @@ def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launc
     assert [proc.returncode for proc in nodes] == [0, 0], outputs[0][-3000:]
     assert "resumed from" in outputs[0]
     assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir))
-    # The nodes find different checkpoints to resume from (here told so; a stale copy of `latest` on one node
+    # The ranks find different checkpoints to resume from (here told so; a stale copy of `latest` on one node
     # would do the same): every rank stops with one line before loading anything.
     resumes = [[*args, "--resume", str(out / "checkpoints" / tag)] for tag in ("global_step16", "global_step24")]
-    nodes = launch_nodes(free_port(), resumes)
-    outputs = [proc.communicate(timeout=300)[0] for proc in nodes]
-    assert [proc.returncode for proc in nodes] == [2, 2], outputs[0][-3000:]
+    codes, outputs = started_as_mpirun(launch_env, free_port(), resumes)
+    assert codes == [2, 2], outputs[0][-3000:]
     for output in outputs:
         assert "the ranks found different checkpoints to resume from" in output and "step 16 to step 24" in output
 
