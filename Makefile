@@ -7,7 +7,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 # The venv's programs first, for every target: torch builds and loads the comm op with the `ninja` on PATH, and
 # the venv's ninja (1.13) and a system one (1.11) each take the other's build log for stale and build it all
 # again (~45 s, every other process waiting on its lock): setup, the demo and the tests' launches use one ninja.
-export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 SETUP_STAMP := $(VENV)/.truneg-setup

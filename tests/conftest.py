@@ -279,7 +279,13 @@ def started_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]]
                                    "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port)})
              for rank, argv in enumerate(argv_of_rank)]
-    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    try:
+        outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    finally:  # a rank that hung must not outlive the test
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return [proc.returncode for proc in procs], outputs
 
 

@@ -285,12 +285,15 @@ def test_the_load_pre_check_reads_what_the_load_reads_in_any_torch_format_and_na
         torch.save({"module": torch.arange(1000.0), "name": name}, tag / name)
     legacy = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     torch.save({"state": torch.ones(1000)}, legacy, _use_new_zipfile_serialization=False)
-    loaded = [p.relative_to(tag).as_posix() for p in checkpoint._files_to_load(tag, world_size=1)]
-    assert loaded == ["mp_rank_00_model_states.pt", "truneg_rank00000.pt", "zero/dense.weight/fp32.pt",
+    (tag / "truneg_rank00001 (copy).pt").write_bytes(b"not a checkpoint")  # not truneg's name: checked as a file
+    loaded = [p.relative_to(tag).as_posix() for p in checkpoint._files_to_load(tag, 1, saved_world_size=2)]
+    assert loaded == ["mp_rank_00_model_states.pt", "truneg_rank00001 (copy).pt", "zero/dense.weight/fp32.pt",
                       "zero/optimizer_state.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                      "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert "truneg_rank00001.pt" in [p.name for p in checkpoint._files_to_load(tag, world_size=2)]
-    checkpoint._check_readable(checkpoint._files_to_load(tag, 2), tag)  # the legacy file too
+                      "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # no RNG states: written by another world size
+    (tag / "truneg_rank00001 (copy).pt").unlink()
+    same_world = [p.name for p in checkpoint._files_to_load(tag, 2, saved_world_size=2)]
+    assert "truneg_rank00000.pt" in same_world and "truneg_rank00001.pt" in same_world
+    checkpoint._check_readable(checkpoint._files_to_load(tag, 2, 2), tag)  # the legacy file too
     for cut in (tag / "zero" / "optimizer_state.pt", legacy):
         cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
         with pytest.raises(UserError, match=rf"cannot read checkpoint {tag}: {cut.relative_to(tag)} is damaged \("):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -255,12 +256,15 @@ def _check_readable(files: list[Path], tag_dir: Path) -> None:
                             "or start afresh with --resume none --overwrite") from None
 
 
-def _files_to_load(tag_dir: Path, world_size: int) -> list[Path]:
-    """The tag's files that a load on `world_size` ranks reads: its own *.pt (not the RNG states of ranks this
-    world does not have) and, in a universal tag, those under zero/ (not ds_to_universal's leftover tmp/)."""
-    files = [p for p in tag_dir.glob("*.pt")
-             if not (p.name.startswith(RANK_STATE_PREFIX) and int(p.stem.removeprefix(RANK_STATE_PREFIX)) >= world_size)]
-    return sorted(files + list(tag_dir.glob("zero/**/*.pt")))
+def _files_to_load(tag_dir: Path, world_size: int, saved_world_size: int | None) -> list[Path]:
+    """The tag's files that a load on `world_size` ranks reads: its own *.pt (the ranks' RNG states only when the
+    tag was written by this world size: `load` ignores them otherwise) and, in a universal tag, those under zero/
+    (not ds_to_universal's leftover tmp/)."""
+    def read(path: Path) -> bool:
+        rank_state = re.fullmatch(rf"{RANK_STATE_PREFIX}(\d+)\.pt", path.name)
+        return rank_state is None or (saved_world_size == world_size and int(rank_state[1]) < world_size)
+
+    return sorted([p for p in tag_dir.glob("*.pt") if read(p)] + list(tag_dir.glob("zero/**/*.pt")))
 
 
 def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
@@ -270,7 +274,7 @@ def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict,
     # alone reads (its optimizer shard, its RNG state) would otherwise stop that rank inside DeepSpeed's load
     # while the others go on into a collective it never joins (across nodes: until the timeout).
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    files = _files_to_load(checkpoint_dir / tag, world_size)
+    files = _files_to_load(checkpoint_dir / tag, world_size, saved_world_size(checkpoint_dir, tag))
     on_every_rank(lambda: _check_readable(files[rank::world_size], checkpoint_dir / tag),
                   f"read checkpoint {checkpoint_dir / tag}")
     try:
