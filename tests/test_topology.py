@@ -68,7 +68,7 @@ tag = checkpoint.save(saved, folder, 1, {}, {})
 checkpoint.convert_to_universal(folder, tag)
 by_deepspeed, by_truneg = engine(True), engine(True)
 by_deepspeed.load_checkpoint(str(folder), tag=checkpoint.universal_tag(tag))  # DeepSpeed's load alone
-checkpoint.load(by_truneg, folder, checkpoint.universal_tag(tag))
+checkpoint.load(by_truneg, folder, checkpoint.universal_tag(tag), checkpoint.saved_world_size(folder, tag))
 print(json.dumps({"saved": decays(saved), "deepspeed": decays(by_deepspeed), "truneg": decays(by_truneg)}))
 """
 

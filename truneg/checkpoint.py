@@ -267,14 +267,15 @@ def _files_to_load(tag_dir: Path, world_size: int, saved_world_size: int | None)
     return sorted([p for p in tag_dir.glob("*.pt") if read(p)] + list(tag_dir.glob("zero/**/*.pt")))
 
 
-def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict, dict | None]:
-    """Load `tag`. Returns (client_state, this rank's state, or None if the checkpoint was written by
-    another world size)."""
+def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str, saved_world_size: int | None
+         ) -> tuple[dict, dict | None]:
+    """Load `tag`, written by `saved_world_size` ranks (its META; a universal tag keeps its source's). Returns
+    (client_state, this rank's state, or None if the checkpoint was written by another world size)."""
     # Every file of the tag opened first, a share per rank, and the outcome shared: a damaged file that one rank
     # alone reads (its optimizer shard, its RNG state) would otherwise stop that rank inside DeepSpeed's load
     # while the others go on into a collective it never joins (across nodes: until the timeout).
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    files = _files_to_load(checkpoint_dir / tag, world_size, saved_world_size(checkpoint_dir, tag))
+    files = _files_to_load(checkpoint_dir / tag, world_size, saved_world_size)
     on_every_rank(lambda: _check_readable(files[rank::world_size], checkpoint_dir / tag),
                   f"read checkpoint {checkpoint_dir / tag}")
     try:
@@ -290,9 +291,9 @@ def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str) -> tuple[dict,
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag}; it is incomplete")
     if engine.zero_optimization_stage() == 3 and engine.load_universal_checkpoint():
         _restore_group_settings(engine.optimizer.optimizer, checkpoint_dir / tag / "zero" / "optimizer_state.pt")
-    rank_file = rank_state_file(checkpoint_dir, tag, dist.get_rank())
+    rank_file = rank_state_file(checkpoint_dir, tag, rank)
     rank_state = None
-    if rank_file.is_file() and client_state.get("world_size") == dist.get_world_size():
+    if rank_file.is_file() and saved_world_size == world_size:
         rank_state = torch.load(rank_file, weights_only=False)
     return client_state, rank_state
 

@@ -42,13 +42,12 @@ class TrainState:
     batches: MaskedBatches
     metrics: MetricsLogger
     rank: int
-    world_size: int
     nonfinite_in_a_row: int = 0
 
     def save(self, cfg: RunConfig, engine: DeepSpeedEngine, step: int) -> None:
         """A collective. The data position goes with DeepSpeed's client state, the RNG states and the metric
         accumulator per rank; then the oldest checkpoints beyond --keep-checkpoints go."""
-        client_state = {"step": step, "sampler": self.batches.position, "world_size": self.world_size}
+        client_state = {"step": step, "sampler": self.batches.position}
         rank_state = {"rng": checkpoint.rng_state(), "metrics": self.metrics.state_dict()}
         checkpoint.save(engine, cfg.checkpoint_dir, step, client_state, rank_state)
         if cfg.keep_checkpoints > 0:
@@ -66,7 +65,7 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
     metrics = MetricsLogger(engine, cfg.output_dir, cfg.seq_len, rank)
     seed(cfg.seed, rank)
     if resume is not None:
-        client_state, rank_state = checkpoint.load(engine, resume.checkpoint_dir, tag)
+        client_state, rank_state = checkpoint.load(engine, resume.checkpoint_dir, tag, resume.saved_world_size)
         sampler.load_state_dict(client_state["sampler"])
         step = engine.global_steps
         if rank_state is None:
@@ -83,7 +82,7 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
     metrics.purge_monitors_after(int(engine.global_samples))
     batches = MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed, cfg.max_predictions,
                             cfg.data_workers, device=engine.device)
-    return TrainState(sampler, batches, metrics, rank, world_size)
+    return TrainState(sampler, batches, metrics, rank)
 
 
 class StopSignal:
