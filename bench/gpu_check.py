@@ -120,13 +120,12 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
     argv += ["--max-steps", str(steps), "--save-steps", str(save), "--log-steps", "1", "--hc", "wordnet", "--sr", "word"]
     ref_dir, killed_dir = work / "stage2" / "reference", work / "stage2" / "killed"
 
-    def start(out: Path) -> subprocess.Popen:
+    def start(out: Path, log: str) -> subprocess.Popen:
         out.parent.mkdir(parents=True, exist_ok=True)
-        log = open(out.parent / f"{out.name}.log", "a")
         cmd = [sys.executable, "-m", "truneg.pretrain", *argv, "--output-dir", str(out)]
-        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, cwd=REPO, stdout=open(out.parent / log, "w"), stderr=subprocess.STDOUT)
 
-    reference, victim = start(ref_dir), start(killed_dir)
+    reference, victim = start(ref_dir, "reference.log"), start(killed_dir, "killed.log")
     latest = killed_dir / CHECKPOINTS / "latest"
     while not latest.is_file() and victim.poll() is None:
         time.sleep(0.005)
@@ -138,12 +137,18 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
         note(f"  resume: FAIL the run {'ended before' if finished_first else 'died before'} the kill "
              f"(log: {killed_dir}.log)")
         return False
-    resumed = start(killed_dir)
+    resumed = start(killed_dir, "resumed.log")
     codes = resumed.wait(), reference.wait()
     if any(codes):
         note(f"  resume: FAIL exit codes resumed {codes[0]}, reference {codes[1]} (logs in {killed_dir.parent})")
         return False
     resume_step = int(tag.removeprefix("global_step"))
+    # the second process continued from the checkpoint (a run trained afresh would match the reference too)
+    said = (killed_dir.parent / "resumed.log").read_text(errors="replace")
+    if f"resumed from {killed_dir / CHECKPOINTS} at step {resume_step}" not in said or \
+            f"done, {steps - resume_step} steps" not in said:
+        note(f"  resume: FAIL the second run did not resume from {tag} (log: {killed_dir.parent / 'resumed.log'})")
+        return False
     ref, got = ({r["step"]: r for r in read_records(out)} for out in (ref_dir, killed_dir))
     worst, compared = 0.0, 0
     for step in range(resume_step + 1, steps + 1):

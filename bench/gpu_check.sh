@@ -15,8 +15,7 @@
 #      summary. Not in the CPU dry run (CUDA only).
 # Stages 1-3 run side by side (they count, not time); stages 5 and 4 alone, after the fused optimizers' JIT
 # builds (started first, in the background: FusedAdam, and FusedLamb when stage 1 runs) have finished.
-# The next GPU session's call (README, "GPU check"):
-#   OUT=$OUT WHEELS=.cache/gpu_wheels_h200 STAGES=5,3,4 BUDGET_S=540 STAGE5_TIMEOUT_S=330 bash bench/gpu_check.sh
+# The next GPU session's calls: README, "GPU check".
 #
 # Environment: OUT (the summary goes to $OUT/gpu_check.txt and the logs to $OUT/gpu_check.log; OUT itself is
 # never deleted, and the summary only appended to), WHEELS (default .cache/gpu_wheels), PY (default python3;
@@ -52,6 +51,16 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/truneg_torch
 note() { echo "$*" | tee -a "$SUMMARY"; }
 left() { echo $((BUDGET_S - SECONDS)); }
 status() { [ "$1" = 0 ] && echo ok || echo "FAILED (exit $1)"; }
+# verdict RC LIMIT ELAPSED: a stage's result. `timeout -s KILL` exits 137 at its limit, and so does a process
+# that the kernel's out-of-memory killer took before it: the elapsed time tells them apart.
+verdict() {
+  case $1 in
+    0) echo PASS ;;
+    124|137) if [ "$3" -ge "$2" ]; then echo "TIMEOUT after $2 s"
+             else echo "KILLED (exit $1 after $3 s, before its $2 s limit: out of memory?)"; fi ;;
+    *) echo "FAIL (exit $1)" ;;
+  esac
+}
 
 note "== bench/gpu_check.sh $([ $DRY = 1 ] && echo "--cpu-dry-run" || echo "on $(hostname)"), $(date -u '+%Y-%m-%d %H:%M UTC'), budget ${BUDGET_S} s, stages $STAGES"
 
@@ -78,7 +87,8 @@ PYEOF
 )
       # shellcheck disable=SC2086
       timeout 150 "$PY" -m pip install -q --no-index --no-deps $MISSING >> "$LOG" 2>&1
-      note "install --no-deps of the $(echo "$MISSING" | grep -c .) wheels the image lacks: $(status $?)"
+      rc=$?
+      note "install --no-deps of the $(echo "$MISSING" | grep -c .) wheels the image lacks: $(status $rc)"
     fi
     if [ -f "$WHEELS/nltk_data.tar.gz" ]; then
       mkdir -p "$WORK/nltk_data" && tar -xzf "$WHEELS/nltk_data.tar.gz" -C "$WORK/nltk_data"
@@ -124,11 +134,7 @@ run_stage() {  # run_stage N NAME DEFAULT_LIMIT_S SUBCOMMAND
   local t0=$SECONDS rc result
   timeout -s KILL "$limit" "$PY" bench/gpu_check.py "$sub" --summary "$SUMMARY" --work "$WORK" $FLAG > "$WORK/stage$n.log" 2>&1
   rc=$?
-  case $rc in
-    0) result=PASS ;;
-    124|137) result="TIMEOUT after $limit s" ;;
-    *) result="FAIL (exit $rc)" ;;
-  esac
+  result=$(verdict $rc "$limit" $((SECONDS - t0)))
   note "stage $n $name: $result in $((SECONDS - t0)) s"
   # A process killed while it loaded a JIT-built op leaves the op's lock, and every later load would wait on it.
   case $rc in 124|137) "$PY" bench/gpu_check.py locks --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1 ;; esac
@@ -152,7 +158,7 @@ case ",$STAGES," in *",5,"*)
       OUT=$RESULTS timeout -s KILL "$limit" "$PY" bench/gpu_zero_stages.py --host-bound --profile > "$RESULTS/zero_stages.log" 2>&1
       rc=$?
       grep -E '^(RATE|MEMORY|PROFILE|RESULT) ' "$RESULTS/zero_stages.log" | sed 's/^/  /' >> "$SUMMARY"
-      case $rc in 0) result=PASS ;; 124|137) result="TIMEOUT after $limit s" ;; *) result="FAIL (exit $rc)" ;; esac
+      result=$(verdict $rc "$limit" $((SECONDS - t0)))
       case $rc in 124|137) "$PY" bench/gpu_check.py locks --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1 ;; esac
       note "stage 5 zero-stages: $result in $((SECONDS - t0)) s (its log: $RESULTS/zero_stages.log)"
       echo "$result" > "$WORK/status.5"

@@ -79,6 +79,7 @@ def test_paths_and_files_that_cannot_be_used(files):
                             "--out", str(files / "afile.txt")), "is a file; pass a folder path")
     argparse_refusal(cli_in_process("fn-stats", "--checkpoints", "x", "--data", "y", "--out", "z", "--max-sequences", "-5"),
                      "--max-sequences", "must be >= 1, not -5")
+    assert (files / "afile.txt").read_text() == "a file, not a folder" and not (files / "cases").exists()
 
 
 def test_every_command_refuses_an_output_path_it_cannot_make_before_any_work(files):
@@ -97,6 +98,7 @@ def test_every_command_refuses_an_output_path_it_cannot_make_before_any_work(fil
     }
     for argv in commands.values():
         one_line(cli_in_process(*argv), f"{argv[-2]} {afile} is a file; pass a folder path")
+        assert (files / "afile.txt").read_text() == "a file, not a folder", argv[:2]
     one_line(cli_in_process("synonyms", "build", "--vocab", "v", "--out", folder), f"--out {folder} is a folder")
 
 

@@ -29,6 +29,8 @@ def test_build_blocks_tokenizes_documents_and_caches(tmp_path, tokenizer):
     assert isinstance(blocks, PreparedBlocks)
     expected = tokenizer("the primary school")["input_ids"][1:-1] + tokenizer("was closed today")["input_ids"][1:-1]
     expected += [tokenizer.sep_token_id] + tokenizer("another document begins here")["input_ids"][1:-1]
+    assert blocks.shape == (len(expected) // 4, 6)  # every whole block of 4 tokens kept, the rest dropped
+    assert (blocks[:, 0] == tokenizer.cls_token_id).all() and (blocks[:, -1] == tokenizer.sep_token_id).all()
     assert blocks[:, 1:-1].reshape(-1).tolist() == expected[: blocks.shape[0] * 4]
     mtime = (path / "index.json").stat().st_mtime_ns
     assert ensure_prepared(str(corpus), tokenizer, 6, tmp_path / "cache", 1) == path

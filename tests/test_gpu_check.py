@@ -86,6 +86,9 @@ def test_stage2_resume_after_kill_matches_the_uninterrupted_run(dry_run):
     assert int(match[1]) < 12 and int(match[3]) >= 12 - int(match[1]) and float(match[2]) <= 1e-5
     # the script's verdict checked from the two runs' own records: every step after the kill, in both
     stage2 = dry_run[1].parent / "work" / "stage2"
+    resumed = (stage2 / "resumed.log").read_text()  # the second process continued from the checkpoint
+    assert f"resumed from {stage2 / 'killed' / 'checkpoints'} at step {match[1]}" in resumed
+    assert f"done, {12 - int(match[1])} steps" in resumed
     ref, got = ({r["step"]: r for r in map(json.loads, (stage2 / run / "metrics.jsonl").read_text().splitlines())}
                 for run in ("reference", "killed"))
     assert set(range(int(match[1]) + 1, 13)) <= set(got) and len(ref) == 12

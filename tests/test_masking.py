@@ -68,6 +68,9 @@ def test_masking_is_a_pure_function_of_seed_epoch_index(tokenizer):
         assert torch.equal(a[key], b[key].flip(0)), "a sequence's mask does not depend on its batch position"
     c = masked(tokenizer, rows, epoch=1, indices=np.array([5, 6, 7, 8]), max_predictions=12)
     assert not torch.equal(a["masked_positions"], c["masked_positions"]), "a new epoch draws new masks"
+    same = masked(tokenizer, rows[[0, 0]], indices=np.array([5, 9]), max_predictions=12)
+    assert torch.equal(same["masked_positions"][0], a["masked_positions"][0]), "a sequence's mask is its index's"
+    assert not torch.equal(same["masked_positions"][0], same["masked_positions"][1]), "each index draws its own"
 
 
 def test_masked_batches_layout(tokenizer):

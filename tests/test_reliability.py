@@ -125,6 +125,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
         err = capsys.readouterr().err
         assert_one_line_error(subprocess.CompletedProcess([], exited.value.code, "", err), expected)
     assert stale_lock.exists(), "truneg must not delete a lock that a running build may hold"
+    # nothing written: no refused run made its output folder, nor touched the file named as one
+    assert not list(tmp_path.glob("out_*")) and (tmp_path / "afile.txt").read_text() == ""
 
     # Found once the processes run: one real launch each, both at once.
     after_processes = {
