@@ -6,6 +6,7 @@
 #     GPU=a100|h100|h200.
 # Both see BERT's 256M sequences (256 x 1M steps).
 #   OUTPUT=/shared/runs/bl DATA=/shared/wiki-books HC=wordnet SR=word launch/bert_large_scratch.sh [extra flags]
+[ -f "$(dirname "$0")/common.sh" ] || { echo "truneg: error: $0 has no common.sh beside it: run the script where it lies in the repo (sbatch runs a copy: sbatch --wrap 'bash REPO/launch/SCRIPT.sh')" >&2; exit 2; }
 source "$(dirname "$0")/common.sh"
 case "${OPT:-lamb}" in
   lamb) config="$REPO/ds_configs/bert_large_v100_fp16_lamb_zero0.json"; steps=15625 ;;

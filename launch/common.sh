@@ -21,7 +21,6 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HOSTFILE="${HOSTFILE:-$REPO/launch/hosts}"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
-VENV="$(dirname "$PYTHON")"
 DEEPSPEED="${DEEPSPEED:-$REPO/.venv/bin/deepspeed}"
 GPU="${GPU:-v100}"
 GPU_ARCH="$("$PYTHON" -m truneg.config arch "$GPU")" || exit 2  # sm70 for v100, ...; one line for another name
@@ -35,13 +34,15 @@ if [ -n "${LAUNCHER_ARGS:-}" ]; then
     echo "truneg: error: LAUNCHER_ARGS=$LAUNCHER_ARGS has an unclosed quote; quote it as in a shell" >&2; exit 2; }
   eval "launcher_args=($quoted)"
 fi
-hosts=()  # deepspeed's node arguments
+hosts=()  # deepspeed's node arguments (each node's PATH, the venv's bin first, comes with the env file)
 if [ "$HOSTFILE" != local ]; then
   "$PYTHON" -m truneg.hostfile "$HOSTFILE"
   hosts=(--hostfile "$HOSTFILE")
-  # each node's shell starts outside the venv: ninja and the venv's tools for the JIT-built optimizers
-  if [ -f "$VENV/activate" ] && [ -f "$VENV/../pyvenv.cfg" ]; then hosts+=(--venv_script "$VENV/activate"); fi
 fi
+# An exported MASTER_ADDR/MASTER_PORT (an InfiniBand address, a port of this job's own): deepspeed's runner
+# would set its own (the first node's first `hostname -I` address, port 29500) over them.
+if [ -n "${MASTER_ADDR:-}" ]; then hosts+=(--master_addr "$MASTER_ADDR"); fi
+if [ -n "${MASTER_PORT:-}" ]; then hosts+=(--master_port "$MASTER_PORT"); fi
 OUTPUT="${OUTPUT:-}"
 if [ -z "$OUTPUT" ]; then
   echo "truneg: error: set OUTPUT to this run's folder on storage every node sees, e.g. OUTPUT=/shared/runs/NAME" >&2
@@ -80,10 +81,11 @@ pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more f
 }
 
 continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's continued pre-training at seq 512
-  local model=$1 stem=$2 hint=$3
+  local model=$1 stem=$2 hint=$3 config
   shift 3
   : "${INIT:?set INIT to $hint}"
-  pretrain "$model" 512 "$(recipe "$stem")" 200000 5000 100 --init-from "$(absolute "$INIT")" "$@"
+  config="$(recipe "$stem")"  # assigned alone: set -e stops on its failure here, not inside an argument list
+  pretrain "$model" 512 "$config" 200000 5000 100 --init-from "$(absolute "$INIT")" "$@"
 }
 
 launch() {

@@ -4,6 +4,7 @@ and slurm runners set no RANK), each GPU process bound to its own device before 
 from __future__ import annotations
 
 import os
+import sys
 import types
 
 import pytest
@@ -71,7 +72,8 @@ def test_ranks_come_from_mpirun_and_srun_and_a_batch_script_is_one_process(bare_
 
 
 def test_mpirun_without_master_addr_or_mpi4py_stops_with_one_line(bare_env):
-    """DeepSpeed's MPI discovery finds MASTER_ADDR through mpi4py; without either there is no rank 0 to meet."""
+    """DeepSpeed's MPI discovery finds MASTER_ADDR through mpi4py; without either there is no rank 0 to meet,
+    nor with an MPI that sees fewer processes than the launcher started."""
     bare_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
     bare_env.setenv("OMPI_COMM_WORLD_RANK", "1")
     bare_env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
@@ -83,8 +85,16 @@ def test_mpirun_without_master_addr_or_mpi4py_stops_with_one_line(bare_env):
     # with mpi4py there, DeepSpeed's discovery is asked for (and fills MASTER_ADDR and MASTER_PORT)
     os.environ.pop("RANK")  # not through monkeypatch, which would put back the RANK adopt_launcher_env wrote
     bare_env.setattr(distributed.importlib.util, "find_spec", lambda name, *a: object())
+    mpi_world = types.SimpleNamespace(size=2)
+    mpi4py = types.SimpleNamespace(MPI=types.SimpleNamespace(COMM_WORLD=types.SimpleNamespace(Get_size=lambda: mpi_world.size)))
+    bare_env.setitem(sys.modules, "mpi4py", mpi4py)
     distributed.adopt_launcher_env()
     assert _ranks()[:3] == ("1", "2", "1") and distributed._left_to_mpi_discovery()
+    # unless that MPI cannot see the launcher's processes (srun without PMI: each a world of one)
+    os.environ.pop("RANK")
+    mpi_world.size = 1
+    with pytest.raises(UserError, match=r"OMPI_COMM_WORLD_SIZE=2, but mpi4py's MPI sees 1 process\(es\)"):
+        distributed.adopt_launcher_env()
 
 
 def test_each_gpu_process_is_bound_to_its_own_device_before_the_first_collective(bare_env):

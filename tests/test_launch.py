@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,7 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
     monkeypatch.setenv("PATH", "/usr/bin:/opt/my tools:/bin")
     (tmp_path / ".deepspeed_env").write_text("HF_HOME=/shared/hf\nNLTK_DATA=/shared/nltk\nTRUNEG_CACHE=/old\n")
     hosts = tmp_path / "hosts"
-    hosts.write_text("node-01 slots=8 max_slots=8  # the first\nnode-02 slots=8\n")
+    hosts.write_text("node-01 slots=8 max_slots=8  # the first\nnode-02 slots=8 max-slots=8\n")
     hostfile.main([str(hosts), "--env-file", str(tmp_path / "run" / "deepspeed_env"), "--launcher-args=--launcher openmpi"])
     written = dict(line.split("=", 1) for line in (tmp_path / "run" / "deepspeed_env").read_text().splitlines())
     venv_bin = f"{sys.prefix}/bin"
@@ -130,9 +131,20 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
     hostfile.main([str(one), "--env-file", str(tmp_path / "one_env"), "--launcher-args=--launcher openmpi"])
     assert "NCCL_SOCKET_IFNAME=^lo" in (tmp_path / "one_env").read_text()
     monkeypatch.delenv("NCCL_SOCKET_IFNAME")
-    # over pdsh (the default) each node keeps its own PATH: the venv is activated there
+    # over pdsh (the default) too: each node's shell starts outside the venv
     hostfile.main([str(hosts), "--env-file", str(tmp_path / "pdsh_env")])
-    assert "PATH" not in dict(line.split("=", 1) for line in (tmp_path / "pdsh_env").read_text().splitlines())
+    pdsh_env = dict(line.split("=", 1) for line in (tmp_path / "pdsh_env").read_text().splitlines())
+    assert pdsh_env["PATH"] == f"{venv_bin}:/usr/bin:/bin"
+    # pdsh's remote shell gets this folder (`cd`), the venv's Python and the script unquoted: a space breaks them
+    (tmp_path / "my runs").mkdir()
+    monkeypatch.chdir(tmp_path / "my runs")
+    with pytest.raises(SystemExit) as refused:
+        hostfile.main([str(hosts), "--env-file", str(tmp_path / "space_env")])
+    assert refused.value.code == 2 and not (tmp_path / "space_env").exists()
+    hostfile.main([str(one), "--env-file", str(tmp_path / "space_env")])  # one node: no remote shell
+    with pytest.raises(UserError, match="the venv's Python, /opt/my venv/bin/python, holds a character"):
+        hostfile.check_pdsh_paths(cwd=tmp_path, python="/opt/my venv/bin/python", repo=REPO)
+    monkeypatch.chdir(tmp_path)
     assert hostfile.check_hostfile(hosts) == {"node-01": 8, "node-02": 8}  # Open MPI's max_slots and a comment
     # --check-ssh goes where deepspeed's own ssh goes: its --ssh_port
     calls = []
@@ -157,7 +169,7 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     assert f"--output-dir {out} " in done.stdout and "electra_small_v100_fp16_zero2.json" in done.stdout
     assert "--seed 3" in done.stdout and f"--hostfile {REPO}/launch/hosts" in done.stdout
     keys = [line.split("=", 1)[0] for line in (out / "deepspeed_env").read_text().splitlines()]
-    assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR"]  # PREFLIGHT=0: no GPU check
+    assert keys == ["TRUNEG_CACHE", "HF_HOME", "NLTK_DATA", "TORCH_EXTENSIONS_DIR", "PATH"]  # PREFLIGHT=0: no GPU check
     # every recipe: its model, sequence length and config for the GPU, INIT where it continues, COMPILE=1
     expect = {"bert_base.sh": ("bert-base", 512, "bert_base_continued_a100_bf16_zero1.json"),
               "bert_large.sh": ("bert-large", 512, "bert_large_continued_a100_bf16_zero1.json"),
@@ -184,8 +196,30 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], capture_output=True, text=True,
                           env={**env, "OUTPUT": str(out), "GPU": "t4"})
     assert (proc.returncode, proc.stderr) == (2, "truneg: error: GPU=t4: use v100, a100, h100, h200\n"), proc
-    # each node activates the venv (ninja for the JIT builds); HOSTFILE=local: this machine only, no env file
-    assert f"--hostfile {REPO}/launch/hosts --venv_script {Path(sys.executable).parent}/activate " in done.stdout
+    # DeepSpeed's pdsh runner stops the ranks on every node (Ctrl-C, a scheduler's SIGTERM) with `pkill -f` of
+    # words of the remote command: built by its own runner from what the script hands deepspeed, that pattern
+    # must be one word of the remote shell, and match the launcher each node runs
+    from deepspeed.launcher import multinode_runner, runner
+
+    given = done.stdout.splitlines()[-1].split()
+    assert given[:2] == ["--hostfile", f"{REPO}/launch/hosts"] and "--venv_script" not in given
+    command, kill, _ = multinode_runner.PDSHRunner(runner.parse_args(given), "e30=").get_cmd({}, {"node-01": [0]})
+    pkill = shlex.split(" ".join(kill[kill.index("pkill -f "):]))
+    started = shlex.split(" ".join(command[command.index("-w") + 2:]))  # what each node's shell runs
+    launched = " ".join(started[started.index(sys.executable):])  # the node launcher's command line
+    assert pkill[:2] == ["pkill", "-f"] and len(pkill) == 3 and pkill[2] in launched, (pkill, launched)
+    # an exported MASTER_ADDR/PORT (an InfiniBand address, a port of its own) goes to deepspeed, which would set its own
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], capture_output=True, text=True,
+                          env={**env, "OUTPUT": str(out), "MASTER_ADDR": "10.1.0.1", "MASTER_PORT": "29611"})
+    assert f"--hostfile {REPO}/launch/hosts --master_addr 10.1.0.1 --master_port 29611 " in proc.stdout, proc.stderr
+    # sbatch runs a copy of its script, with no common.sh beside it: one line, not "command not found" later
+    (tmp_path / "slurm_script").write_text((REPO / "launch" / "electra_small.sh").read_text())
+    proc = subprocess.run(["bash", str(tmp_path / "slurm_script")], env={**env, "OUTPUT": str(out)},
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"truneg: error: {tmp_path}/slurm_script has no common.sh beside it: run the script where it lies in the repo "
+        "(sbatch runs a copy: sbatch --wrap 'bash REPO/launch/SCRIPT.sh')"], proc.stderr
+    # HOSTFILE=local: this machine only, no env file
     local_out = tmp_path / "runs" / "local"
     proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")],
                           env={**env, "OUTPUT": str(local_out), "HOSTFILE": "local"}, capture_output=True, text=True)

@@ -90,6 +90,36 @@ def test_blocks_equal_todays_packing_of_the_same_text(tmp_path, corpus, tokenize
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
 
+def test_a_file_reached_by_two_paths_is_read_once(tmp_path, corpus, tokenizer):
+    """A folder and a file in it, the same file by another path, a link to it: each file's text once (the
+    plan of the folder alone), by its first path in sorted order."""
+    import shutil
+
+    from truneg.corpus import resolve_text_files
+
+    texts = shutil.copytree(corpus, tmp_path / "texts")
+    (tmp_path / "zz").mkdir()  # paths that sort after the files' own
+    (tmp_path / "zz" / "link.txt").symlink_to(texts / "b.txt")
+    (tmp_path / "zz" / "folder").symlink_to(texts)
+    specs = [str(texts), str(texts / "a.txt"), str(tmp_path / "zz" / "link.txt"), str(tmp_path / "zz" / "folder")]
+    assert resolve_text_files(specs) == sorted(texts.glob("*.txt"))
+    assert prepare.plan(specs, tokenizer, SEQ)[1] == prepare.plan(str(texts), tokenizer, SEQ)[1]
+
+
+def test_a_file_that_shrinks_while_being_prepared_is_a_clear_error(tmp_path, tokenizer):
+    """Read to its planned end, a file cut short since would give nothing for ever: one line instead."""
+    import hashlib
+
+    from truneg.corpus import iter_text_unit
+
+    text = tmp_path / "t.txt"
+    text.write_text("one line\n" * 10)
+    plan = prepare.plan(str(text), tokenizer, SEQ)[1]
+    text.write_text("one line\n")
+    with pytest.raises(UserError, match="t.txt is shorter than when this preparation was planned"):
+        list(iter_text_unit(plan[0]["segments"], hashlib.sha256()))
+
+
 def test_killed_prepare_resumes_to_the_same_shards(tmp_path, corpus, tokenizer):
     whole = prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "whole", 1, unit_bytes=UNIT, progress=False)
     killed = prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "killed", 1, unit_bytes=UNIT, progress=False)

@@ -118,3 +118,25 @@ def test_what_a_run_left_before_its_first_complete_save_is_named_as_such_and_a_d
     with pytest.raises(UserError, match="run.json is damaged"):
         claim_output_dir(corrected, identity(corrected, "t"), rank=0)
     assert (tmp_path / "checkpoints" / "global_step5").is_dir()
+
+
+def test_a_shared_folder_rank_0_cannot_write_in_stops_every_rank_with_one_line(tmp_path, monkeypatch):
+    """The shared-folder check's probe is written by rank 0 alone: a full or read-only folder there must reach
+    the other ranks (on other nodes they would wait in the next collective until the timeout). A world of one
+    run as rank 0 of two: the outcome is shared by the same all-reduce."""
+    from pathlib import Path
+
+    from truneg.run_dir import check_shared_output_dir
+
+    check_shared_output_dir(tmp_path / "out", rank=0, world_size=2)  # the probe written, read and removed
+    assert list((tmp_path / "out").iterdir()) == []
+    real_write = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        if path.name.startswith(".truneg-shared-"):
+            raise OSError(28, "No space left on device")
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(UserError, match=r"cannot write in .*/out: OSError: \[Errno 28\] No space left on device"):
+        check_shared_output_dir(tmp_path / "out", rank=0, world_size=2)

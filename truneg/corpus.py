@@ -5,7 +5,8 @@ of row groups of one parquet file of an `hf:` dataset (or a whole data file of a
 never converted. Units are planned from file sizes or parquet footers alone, so every
 machine of a split preparation plans the same units, and a unit's shard is the same bytes whichever
 process, part or restart makes it. Inside a unit, text is read in chunks of about CHUNK_BYTES, which is
-what bounds a worker's memory (not the unit size).
+what bounds a worker's memory (not the unit size), lines whole: a line longer than a chunk (a file whose lines
+end in a lone CR, a book on one line) is read whole, and a file without a line feed is one unit.
 
 Documents: a blank line ends a document in text files (it becomes one [SEP]); each row of
 an `hf:` dataset is a document (its tokens, then [SEP]). A line or row longer than SLICE_CHARS (a whole book)
@@ -60,7 +61,8 @@ def is_hf(spec: str | Path) -> bool:
 
 
 def resolve_text_files(spec: str | Sequence[str]) -> list[Path]:
-    """A file, a folder (its *.txt, recursively) or a glob; several may be given. Sorted, deduplicated."""
+    """A file, a folder (its *.txt, recursively) or a glob; several may be given. Sorted, and each file once
+    however many paths reach it (a folder and a file in it, a link): by the first of its paths."""
     specs = [spec] if isinstance(spec, (str, Path)) else list(spec)
     files: set[Path] = set()
     for item in specs:
@@ -75,7 +77,10 @@ def resolve_text_files(spec: str | Sequence[str]) -> list[Path]:
         raise UserError(f"no text files found at {', '.join(map(str, specs))}; pass a file, a folder or a glob")
     if all(p.stat().st_size == 0 for p in files):
         raise UserError(f"the corpus at {', '.join(map(str, specs))} is empty; give it some text")
-    return sorted(files)
+    first_path: dict[Path, Path] = {}
+    for path in sorted(files):
+        first_path.setdefault(path.resolve(), path)
+    return sorted(first_path.values())
 
 
 @dataclass
@@ -211,6 +216,9 @@ def iter_text_unit(segments: list, digest: hashlib._Hash) -> Iterator[tuple[list
             left = end - start
             while left > 0:
                 raw = fh.read(min(left, CHUNK_BYTES))
+                if not raw:  # (read would return nothing for ever)
+                    raise UserError(f"{path} is shorter than when this preparation was planned: it changed while "
+                                    "being prepared; prepare it again once it stays as it is")
                 left -= len(raw)
                 if left > 0 and not raw.endswith(b"\n"):
                     tail = fh.readline(left)

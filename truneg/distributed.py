@@ -70,10 +70,20 @@ def adopt_launcher_env() -> None:
             os.environ["LOCAL_RANK"] = os.environ[local]
         if "MASTER_ADDR" in os.environ:
             os.environ.setdefault("MASTER_PORT", "29500")  # torch's and DeepSpeed's default
-        if _left_to_mpi_discovery() and importlib.util.find_spec("mpi4py") is None:
-            raise UserError(f"started by mpirun or srun ({size}={os.environ[size]}) without MASTER_ADDR: export "
-                            "MASTER_ADDR and MASTER_PORT (rank 0's host and a free port) to every rank, or "
-                            "pip install mpi4py so that DeepSpeed finds them")
+        if _left_to_mpi_discovery():
+            if importlib.util.find_spec("mpi4py") is None:
+                raise UserError(f"started by mpirun or srun ({size}={os.environ[size]}) without MASTER_ADDR: export "
+                                "MASTER_ADDR and MASTER_PORT (rank 0's host and a free port) to every rank, or "
+                                "pip install mpi4py so that DeepSpeed finds them")
+            # DeepSpeed's discovery takes MPI's world as it is: one that cannot see the launcher's processes
+            # makes each a rank 0 of one, all on one port (and one GPU) of their node
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_size() != int(os.environ[size]):
+                raise UserError(f"{size}={os.environ[size]}, but mpi4py's MPI sees {MPI.COMM_WORLD.Get_size()} "
+                                "process(es): it cannot reach the launcher's (srun without --mpi=pmix or pmi2, or an "
+                                "mpi4py built for another MPI); export MASTER_ADDR and MASTER_PORT (rank 0's host and a "
+                                "free port) to every rank instead")
 
 
 def launch_world_size() -> int:

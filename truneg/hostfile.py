@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 from truneg.errors import UserError, exit_on_user_error
 
-# Open MPI's hostfiles (which its DeepSpeed runner hands to mpirun) may add max_slots=N and a comment.
-LINE = re.compile(r"^(\S+)\s+slots=(\d+)(?:\s+max_slots=\d+)?\s*(?:#.*)?$")
+# Open MPI's hostfiles (which its DeepSpeed runner hands to mpirun) may add max_slots=N (max-slots=N) and a comment.
+LINE = re.compile(r"^(\S+)\s+slots=(\d+)(?:\s+max[-_]slots=\d+)?\s*(?:#.*)?$")
 
 
 def check_hostfile(path: str | Path) -> dict[str, int]:
@@ -90,17 +90,18 @@ def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | 
       one without) and CUDA_HOME (nvcc for the fused optimizers' JIT builds on each node);
     - MASTER_ADDR and MASTER_PORT, for the openmpi, mvapich and slurm runners, which set none: a rank
       without them would go to MPI discovery while the ranks with them would not, and wait there;
-    - for those runners, PATH with the venv's bin first (ninja for the JIT builds): only the pdsh runner
-      activates the venv (--venv_script), and there each node keeps its own PATH. Entries the remote shell
-      would split or expand are left out."""
+    - PATH with the venv's bin first (ninja for the JIT builds): each node's shell starts outside the venv.
+      Not through DeepSpeed's --venv_script: with it, its pdsh runner's kill command (Ctrl-C, a scheduler's
+      SIGTERM) names the wrong words of the remote command and stops no rank. Entries the remote shell would
+      split or expand, or DeepSpeed would quote, are left out."""
     environ = dict(os.environ if environ is None else environ)
     names = ("CUDA_HOME", "MASTER_ADDR", "MASTER_PORT")
     forwarded = {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARDED_PREFIXES) or k in names}
-    if launcher != "pdsh" and "PATH" in environ:
+    if "PATH" in environ:
         venv_bin = str(venv_bin or Path(sys.prefix) / "bin")
         if not UNQUOTED_VALUE.match(venv_bin):  # it would be left out below, and the nodes would find no ninja
-            raise UserError(f"the venv's {venv_bin} holds a character DeepSpeed's {launcher} launcher would pass on "
-                            "quoted in PATH; put the repo and its venv under a path of [A-Za-z0-9_@%+=:,./-]")
+            raise UserError(f"the venv's {venv_bin} holds a character DeepSpeed's {launcher} launcher would quote or "
+                            "split in PATH; put the repo and its venv under a path of [A-Za-z0-9_@%+=:,./-]")
         entries = [venv_bin] + [e for e in environ["PATH"].split(os.pathsep) if e and e != venv_bin]
         forwarded["PATH"] = os.pathsep.join(e for e in entries if UNQUOTED_VALUE.match(e))
     return forwarded
@@ -179,6 +180,17 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
     tmp.write_text("".join(f"{key}={value}\n" for key, value in merged.items()), encoding="utf-8")
     tmp.replace(path)
     return merged
+
+
+def check_pdsh_paths(cwd: Path | None = None, python: str | None = None, repo: Path | None = None) -> None:
+    """pdsh runs one command line in each node's shell, and DeepSpeed's runner writes this folder (`cd`), its
+    Python and the script into it unquoted: a space (or $, ;, ...) in any of them breaks every node's start."""
+    for what, path in (("this folder", cwd or Path.cwd()), ("the venv's Python", python or sys.executable),
+                       ("the repo", repo or Path(__file__).resolve().parents[1])):
+        if not UNQUOTED_VALUE.match(str(path)):
+            raise UserError(f"{what}, {path}, holds a character that DeepSpeed's pdsh launcher passes unquoted to each "
+                            "node's shell; launch from, and keep the repo and its venv under, paths of "
+                            "[A-Za-z0-9_@%+=:,./-]")
 
 
 # DeepSpeed's runners that start the ranks without a MASTER_ADDR (mpich and impi set one; pdsh's launch.py too)
@@ -335,15 +347,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.gpu_arch:
             values[GPU_ARCH_ENV] = args.gpu_arch
         # deepspeed's default launcher without options (its parser costs an import of deepspeed)
-        launcher, runner_exports = "pdsh", ()
+        launcher, runner_exports, remote = "pdsh", (), len(pool) > 1
         if args.launcher_args.strip():
             from deepspeed.accelerator import get_accelerator
             from deepspeed.launcher.runner import EXPORT_ENVS
 
             nodes, _, options = launched_resources(pool, 0, args.launcher_args)
-            if (options.force_multi or len(nodes) > 1) and not options.no_ssh:  # DeepSpeed reads the file only then
+            remote = (options.force_multi or len(nodes) > 1) and not options.no_ssh  # DeepSpeed reads the file only then
+            if remote:
                 launcher = options.launcher.lower()
                 runner_exports = tuple(EXPORT_ENVS + get_accelerator().export_envs())
+        if remote and launcher == "pdsh":
+            check_pdsh_paths()
         written = write_env_file(args.env_file, values, defaults=defaults, forwarded=forwarded_env(launcher=launcher),
                                  launcher=launcher, runner_exports=runner_exports)
         print(f"{args.env_file}: " + " ".join(f"{k}={v}" for k, v in written.items()))

@@ -199,10 +199,10 @@ def _prepare_unit(job: dict) -> dict:
     unit, settings, folder = job["unit"], job["settings"], Path(job["folder"])
     seq_len = settings["seq_len"]
     dtype = np.dtype(settings["dtype"])
-    source = settings["sources"][unit["source"]]
+    kind = settings["source_kinds"][unit["source"]]
     backend = _WORKER["tokenizer"]
     source_digest, shard_digest = hashlib.sha256(), hashlib.sha256()
-    if source["kind"] == "text":
+    if kind == "text":
         pieces = corpus.iter_text_unit(unit["segments"], source_digest)
     else:
         pieces = corpus.iter_hf_unit(_WORKER["datasets"][unit["source"]], unit, source_digest)
@@ -214,7 +214,7 @@ def _prepare_unit(job: dict) -> dict:
     with open(tmp, "wb") as fh:
         for texts, bad in pieces:
             replaced += bad
-            ids = encode(backend, texts, settings["sep_id"], source["kind"] == "hf")
+            ids = encode(backend, texts, settings["sep_id"], kind == "hf")
             tokens += len(ids)
             out, carry = pack_blocks(np.concatenate([carry, ids]), seq_len, settings["cls_id"], settings["sep_id"],
                                      dtype)
@@ -227,7 +227,7 @@ def _prepare_unit(job: dict) -> dict:
     tmp.replace(shard)
     record = {"unit": unit["index"], "file": f"{SHARDS}/{name}.bin", "blocks": blocks, "tokens": tokens,
               "replaced_chars": replaced, "source_sha256": source_digest.hexdigest(),
-              "sha256": shard_digest.hexdigest(), "settings": settings_key(settings), "unit_spec": unit}
+              "sha256": shard_digest.hexdigest(), "settings": settings["key"], "unit_spec": unit}
     _write_json(shard.with_suffix(".json"), record)  # the commit point
     return record
 
@@ -301,7 +301,11 @@ def prepare(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase,
     for stale in (out / SHARDS).glob("*.tmp"):  # a killed run's half-written shards of this part
         if int(stale.name[:6]) % count == index:
             stale.unlink(missing_ok=True)
-    jobs = [{"unit": u, "settings": settings, "folder": str(out)} for u in todo]
+    # What a worker needs of the settings, and their key (the whole settings list every source file: not sent
+    # and hashed again for each unit)
+    needed = {k: settings[k] for k in ("seq_len", "dtype", "cls_id", "sep_id")}
+    needed |= {"source_kinds": [source["kind"] for source in settings["sources"]], "key": keys[0]}
+    jobs = [{"unit": u, "settings": needed, "folder": str(out)} for u in todo]
     # the CPUs this process may use (a scheduler's allotment), not the machine's
     num_proc = max(1, min(num_proc or len(os.sched_getaffinity(0)), len(jobs)))
     from tqdm import tqdm

@@ -137,10 +137,13 @@ def check_shared_output_dir(output_dir: Path, rank: int, world_size: int, resume
     nonce = nonce.to(device)
     dist.broadcast(nonce, src=0)
     probe = output_dir / f".truneg-shared-{int(nonce.item()):x}"
-    if rank == 0:
+
+    def write_probe() -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe.write_text(socket.gethostname(), encoding="utf-8")
-    dist.barrier()
+
+    # (a full or read-only folder on rank 0 stops every rank, not rank 0 alone: also the barrier before the reads)
+    on_rank_zero(write_probe, f"write in {output_dir}")
     deadline = time.monotonic() + SHARED_PROBE_TIMEOUT_S
     while not probe.is_file() and time.monotonic() < deadline:
         time.sleep(0.2)
