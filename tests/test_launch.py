@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +100,7 @@ def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote
 def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_and_the_venvs_path(tmp_path, monkeypatch):
     """~/.deepspeed_env's values stand over truneg's defaults (what the launching shell sets goes over both);
     MASTER_ADDR/PORT reach every rank (the MPI and Slurm runners set none, and a rank without it waits in MPI
-    discovery while the others do not); PATH leads to the venv's ninja (only pdsh activates the venv)."""
+    discovery while the others do not); PATH leads to the venv's ninja (each node's shell starts outside it)."""
     from truneg import hostfile
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -131,10 +132,28 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
     hostfile.main([str(one), "--env-file", str(tmp_path / "one_env"), "--launcher-args=--launcher openmpi"])
     assert "NCCL_SOCKET_IFNAME=^lo" in (tmp_path / "one_env").read_text()
     monkeypatch.delenv("NCCL_SOCKET_IFNAME")
-    # over pdsh (the default) too: each node's shell starts outside the venv
+    # over pdsh (the default) too, before each node's own PATH: DeepSpeed's runner puts the value in double
+    # quotes, which the node's shell expands
     hostfile.main([str(hosts), "--env-file", str(tmp_path / "pdsh_env")])
     pdsh_env = dict(line.split("=", 1) for line in (tmp_path / "pdsh_env").read_text().splitlines())
-    assert pdsh_env["PATH"] == f"{venv_bin}:/usr/bin:/bin"
+    assert pdsh_env["PATH"] == f"{venv_bin}:$PATH"
+    from deepspeed.launcher import multinode_runner, runner
+
+    pdsh = multinode_runner.PDSHRunner(runner.parse_args(["--hostfile", str(hosts), "train.py"]), "e30=")
+    pdsh.add_export("PATH", pdsh_env["PATH"])
+    line = " ".join(pdsh.get_cmd({}, {"node-01": [0]})[0])
+    node = subprocess.run(["bash", "-c", line[line.index("export PATH"):line.index("; ") + 1] + ' echo "$PATH"'],
+                          env={"PATH": "/node/bin:/bin"}, capture_output=True, text=True)
+    assert node.stdout.strip() == f"{venv_bin}:/node/bin:/bin", (line, node.stderr)
+    # a launch onto no other node reads no env file: a venv path with a space there is nobody's problem
+    assert "PATH" not in hostfile.forwarded_env({"PATH": "/bin"}, venv_bin="/opt/my venv/bin", remote=False)
+    # a loopback MASTER_ADDR (left from work on one machine) would send the other nodes' ranks to themselves
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(SystemExit) as refused:
+        hostfile.main([str(hosts), "--env-file", str(tmp_path / "loopback_env")])
+    assert refused.value.code == 2 and not (tmp_path / "loopback_env").exists()
+    hostfile.main([str(one), "--env-file", str(tmp_path / "loopback_env")])  # one node: fine
+    monkeypatch.setenv("MASTER_ADDR", "node-01")
     # pdsh's remote shell gets this folder (`cd`), the venv's Python and the script unquoted: a space breaks them
     (tmp_path / "my runs").mkdir()
     monkeypatch.chdir(tmp_path / "my runs")
@@ -223,7 +242,7 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     local_out = tmp_path / "runs" / "local"
     proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")],
                           env={**env, "OUTPUT": str(local_out), "HOSTFILE": "local"}, capture_output=True, text=True)
-    assert proc.returncode == 0 and "--hostfile" not in proc.stdout and "--venv_script" not in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and "--hostfile" not in proc.stdout, proc.stderr
     assert not (local_out / "deepspeed_env").exists()
     # relative paths become absolute: each node's shell starts where this one is, or in its home folder
     proc = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], cwd=tmp_path, capture_output=True,
@@ -407,6 +426,19 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     first = capsys.readouterr().err.splitlines()[0]
     assert "--gpu-arch sm70 (the launch scripts' GPU=...) but this node's GPU is sm_90: set GPU" in first, first
     assert preflight.run(["--gpu-arch", "sm90", *v100[2:]]) == 0  # the same run, told the right GPU
+    # launched from a node that is not one of the hostfile's (a login node with another GPU): its own GPU says
+    # nothing of theirs, and each rank checks its own against GPU=... (the env file's TRUNEG_GPU_ARCH)
+    from truneg.hostfile import is_this_machine_one_of
+
+    elsewhere, here = tmp_path / "elsewhere_hosts", tmp_path / "here_hosts"
+    elsewhere.write_text("node-77.invalid slots=8\n")
+    here.write_text(f"{socket.gethostname()} slots=8\n")
+    assert not is_this_machine_one_of(["node-77.invalid", "192.0.2.1"])  # 192.0.2.0/24: documentation addresses
+    assert all(is_this_machine_one_of([h]) for h in ("localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()))
+    assert preflight.run([*v100, "--hostfile", str(elsewhere)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert preflight.run([*v100, "--hostfile", str(here)]) == 2
+    assert "but this node's GPU is sm_90: set GPU" in capsys.readouterr().err.splitlines()[0]
     # a launch from a node without a GPU: the scripts' GPU=... reaches every rank in the env file, and each rank's
     # start-up (the same checks, without --gpu-arch) compares it with its own GPU
     monkeypatch.setenv(preflight.GPU_ARCH_ENV, "sm70")

@@ -19,6 +19,7 @@ import getpass
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,8 @@ UNSAFE_VALUE = re.compile(r"[\s\"$`\\]")
 # A value with another character DeepSpeed's runner puts in double quotes (multinode_runner.add_export): pdsh's
 # remote shell removes them, its MPI and Slurm runners, which start no shell, pass them on to the ranks.
 UNQUOTED_VALUE = re.compile(r"^[\w@%+=:,./-]*$")
+# Each node's own PATH, expanded by its shell (pdsh's): the one `$` an env-file value may hold.
+NODE_PATH = "$PATH"
 # Forwarded by DeepSpeed only from a launching node with a GPU; the wrappers may launch from one without.
 FORWARDED_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
@@ -84,26 +87,31 @@ def launch_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | None = None,
-                  launcher: str = "pdsh") -> dict[str, str]:
+                  launcher: str = "pdsh", remote: bool = True) -> dict[str, str]:
     """What this shell sets that the ranks on other nodes need and DeepSpeed does not forward:
     - its NCCL settings (DeepSpeed forwards them only from a node with a GPU; the wrappers may launch from
       one without) and CUDA_HOME (nvcc for the fused optimizers' JIT builds on each node);
     - MASTER_ADDR and MASTER_PORT, for the openmpi, mvapich and slurm runners, which set none: a rank
       without them would go to MPI discovery while the ranks with them would not, and wait there;
-    - PATH with the venv's bin first (ninja for the JIT builds): each node's shell starts outside the venv.
-      Not through DeepSpeed's --venv_script: with it, its pdsh runner's kill command (Ctrl-C, a scheduler's
-      SIGTERM) names the wrong words of the remote command and stops no rank. Entries the remote shell would
-      split or expand, or DeepSpeed would quote, are left out."""
+    - for a launch onto other nodes (`remote`), PATH with the venv's bin first (ninja for the JIT builds):
+      each node's shell starts outside the venv. Over pdsh, `BIN:$PATH`, which DeepSpeed puts in double quotes
+      and each node's shell expands to its own PATH, as DeepSpeed's --venv_script would leave it (not used:
+      with it, the pdsh runner's kill command on Ctrl-C or a scheduler's SIGTERM names the wrong words of the
+      remote command and stops no rank). The MPI and Slurm runners start no shell: there this shell's PATH,
+      less the entries DeepSpeed would quote."""
     environ = dict(os.environ if environ is None else environ)
     names = ("CUDA_HOME", "MASTER_ADDR", "MASTER_PORT")
     forwarded = {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARDED_PREFIXES) or k in names}
-    if "PATH" in environ:
+    if remote and "PATH" in environ:
         venv_bin = str(venv_bin or Path(sys.prefix) / "bin")
         if not UNQUOTED_VALUE.match(venv_bin):  # it would be left out below, and the nodes would find no ninja
             raise UserError(f"the venv's {venv_bin} holds a character DeepSpeed's {launcher} launcher would quote or "
                             "split in PATH; put the repo and its venv under a path of [A-Za-z0-9_@%+=:,./-]")
-        entries = [venv_bin] + [e for e in environ["PATH"].split(os.pathsep) if e and e != venv_bin]
-        forwarded["PATH"] = os.pathsep.join(e for e in entries if UNQUOTED_VALUE.match(e))
+        if launcher == "pdsh":
+            forwarded["PATH"] = f"{venv_bin}{os.pathsep}{NODE_PATH}"
+        else:
+            entries = [venv_bin] + [e for e in environ["PATH"].split(os.pathsep) if e and e != venv_bin]
+            forwarded["PATH"] = os.pathsep.join(e for e in entries if UNQUOTED_VALUE.match(e))
     return forwarded
 
 
@@ -156,6 +164,8 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
             merged.update(_read_env_file(extra))
     merged.update(values)
     for key, value in merged.items():
+        if key == "PATH" and launcher == "pdsh" and value.endswith(os.pathsep + NODE_PATH):
+            value = value.removesuffix(NODE_PATH)  # forwarded_env's: the venv's bin before the node's own PATH
         if UNSAFE_VALUE.search(value):
             raise UserError(f"{key}={value!r} holds a space, quote, $, ` or \\, which the remote shell of DeepSpeed's "
                             "launcher would split or expand; choose a value without them")
@@ -184,13 +194,30 @@ def write_env_file(path: str | Path, values: dict[str, str], carry_over: list[Pa
 
 def check_pdsh_paths(cwd: Path | None = None, python: str | None = None, repo: Path | None = None) -> None:
     """pdsh runs one command line in each node's shell, and DeepSpeed's runner writes this folder (`cd`), its
-    Python and the script into it unquoted: a space (or $, ;, ...) in any of them breaks every node's start."""
+    Python and the script into it unquoted: a space (or $, ;, ...) in any of them breaks every node's start,
+    and pdsh itself replaces %h, %n, %u there."""
     for what, path in (("this folder", cwd or Path.cwd()), ("the venv's Python", python or sys.executable),
                        ("the repo", repo or Path(__file__).resolve().parents[1])):
-        if not UNQUOTED_VALUE.match(str(path)):
+        if not UNQUOTED_VALUE.match(str(path)) or "%" in str(path):
             raise UserError(f"{what}, {path}, holds a character that DeepSpeed's pdsh launcher passes unquoted to each "
                             "node's shell; launch from, and keep the repo and its venv under, paths of "
-                            "[A-Za-z0-9_@%+=:,./-]")
+                            "[A-Za-z0-9_@+=:,./-]")
+
+
+def check_master_addr(environ: dict[str, str] | None = None) -> None:
+    """A MASTER_ADDR exported for a launch onto other nodes (the launch scripts hand it to deepspeed, and to the
+    ranks in the env file) must be reachable from them: a loopback one, left from work on one machine, would
+    send every other node's ranks to itself, where they wait until the timeout."""
+    import ipaddress
+
+    address = dict(os.environ if environ is None else environ).get("MASTER_ADDR", "")
+    try:
+        loopback = address == "localhost" or ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if loopback:
+        raise UserError(f"MASTER_ADDR={address} is a loopback address, which the other nodes cannot reach: export the "
+                        "first node's address, or unset it (over pdsh deepspeed finds one)")
 
 
 # DeepSpeed's runners that start the ranks without a MASTER_ADDR (mpich and impi set one; pdsh's launch.py too)
@@ -237,6 +264,23 @@ def check_multi_node_launch(train_data: list[str], launcher: str, environ: dict[
             problems.append(f"--train-data {spec} is a glob, which each node's shell expands on its own (`**` as "
                             "`*`); pass its folder, or prepare the corpus first (truneg prepare) and pass that")
     return problems
+
+
+def is_this_machine_one_of(hosts: list[str]) -> bool:
+    """Whether this machine is one of `hosts`: by its name (full or short), or by an address it can bind (a
+    name that resolves to one of its addresses, an IP of its own, localhost)."""
+    names = {socket.gethostname(), socket.getfqdn(), "localhost"}
+    names |= {name.split(".")[0] for name in names}
+    if any(host in names or host.split(".")[0] in names for host in hosts if not host[:1].isdigit()):
+        return True
+    for host in hosts:
+        try:
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+            return True
+        except OSError:  # not resolved, or not an address of this machine
+            continue
+    return False
 
 
 def check_ssh(hosts: list[str], timeout_s: int = 10, port: int | None = None) -> list[str]:
@@ -359,8 +403,11 @@ def main(argv: list[str] | None = None) -> None:
                 runner_exports = tuple(EXPORT_ENVS + get_accelerator().export_envs())
         if remote and launcher == "pdsh":
             check_pdsh_paths()
-        written = write_env_file(args.env_file, values, defaults=defaults, forwarded=forwarded_env(launcher=launcher),
-                                 launcher=launcher, runner_exports=runner_exports)
+        if remote:
+            check_master_addr()
+        written = write_env_file(args.env_file, values, defaults=defaults,
+                                 forwarded=forwarded_env(launcher=launcher, remote=remote), launcher=launcher,
+                                 runner_exports=runner_exports)
         print(f"{args.env_file}: " + " ".join(f"{k}={v}" for k, v in written.items()))
     else:
         print(f"{args.hostfile}: {len(pool)} nodes, {sum(pool.values())} slots: " + ", ".join(f"{h}={s}" for h, s in pool.items()))

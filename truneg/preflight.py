@@ -331,6 +331,7 @@ def run(argv: list[str] | None = None) -> int:
         check_hostfile,
         check_multi_node_launch,
         check_ssh,
+        is_this_machine_one_of,
         launched_resources,
         launcher_options,
     )
@@ -346,7 +347,8 @@ def run(argv: list[str] | None = None) -> int:
             problems.append(str(err))
     local = ds_config.local_capability()
     capability = GPU_ARCHS[args.gpu_arch] if args.gpu_arch else local
-    if args.gpu_arch and local is not None and local[0] != capability[0]:
+    # (a node that only launches, outside the hostfile's nodes, may have another GPU: each rank checks its own)
+    if args.gpu_arch and local is not None and local[0] != capability[0] and (not hosts or is_this_machine_one_of(list(hosts))):
         # the wrappers pass GPU=v100 by default: a forgotten GPU=h100 would otherwise read as a torch-build problem
         problems.append(f"--gpu-arch {args.gpu_arch} (the launch scripts' GPU=...) but this node's GPU is sm_{local[0]}"
                         f"{local[1]}: set GPU to this cluster's GPUs (v100, a100, h100, h200), or run the preflight "
