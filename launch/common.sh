@@ -8,7 +8,7 @@
 # disagree on where to resume). DeepSpeed forwards only some variables (PYTHON*, UCX_*; NCCL_* only from
 # a node with a GPU) to the other nodes; the rest, and this shell's NCCL_*, CUDA_HOME, MASTER_ADDR/PORT
 # (the MPI and Slurm runners set none) and PATH, go in $OUTPUT/deepspeed_env, which DS_ENV_FILE names
-# (see truneg/hostfile.py).
+# (see truneg/env_file.py).
 #
 #   OUTPUT    the run's folder (required; shared storage)
 #   GPU       v100 (default: fp16, the paper's machines) | a100 | h100 | h200 (bf16)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from truneg import preflight
+from truneg.env_file import forwarded_env, launch_env, write_env_file
 from truneg.errors import UserError
-from truneg.hostfile import launch_env, write_env_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,8 +49,6 @@ def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote
     as `export #NAME=...;`, which comments out the rest of each node's command (the launch itself), and puts
     other values in double quotes, inside which $, ` and \\ still act."""
     from deepspeed.launcher.multinode_runner import PDSHRunner
-
-    from truneg.hostfile import forwarded_env
 
     user = tmp_path / ".deepspeed_env"
     user.write_text("# the cluster's NCCL settings\n#NCCL_DEBUG=INFO\n\nNCCL_SOCKET_IFNAME=^docker0,lo\nEMPTY=\n")
@@ -119,7 +117,7 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
     written = dict(line.split("=", 1) for line in (tmp_path / "run" / "deepspeed_env").read_text().splitlines())
     venv_bin = f"{sys.prefix}/bin"
     assert written == {"TRUNEG_CACHE": "/scratch/tok", "HF_HOME": "/shared/hf", "NLTK_DATA": "/shared/nltk",
-                       "TORCH_EXTENSIONS_DIR": hostfile.launch_env()["TORCH_EXTENSIONS_DIR"],  # the default
+                       "TORCH_EXTENSIONS_DIR": launch_env()["TORCH_EXTENSIONS_DIR"],  # the default
                        "MASTER_ADDR": "node-01", "PATH": f"{venv_bin}:/usr/bin:/bin"}  # an entry with a space left out
     # a value DeepSpeed would quote stops an openmpi launch over two nodes; on one node DeepSpeed reads no env file
     # (the ranks inherit this shell) and nothing is refused
@@ -146,7 +144,7 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
                           env={"PATH": "/node/bin:/bin"}, capture_output=True, text=True)
     assert node.stdout.strip() == f"{venv_bin}:/node/bin:/bin", (line, node.stderr)
     # a launch onto no other node reads no env file: a venv path with a space there is nobody's problem
-    assert "PATH" not in hostfile.forwarded_env({"PATH": "/bin"}, venv_bin="/opt/my venv/bin", remote=False)
+    assert "PATH" not in forwarded_env({"PATH": "/bin"}, venv_bin="/opt/my venv/bin", remote=False)
     # a loopback MASTER_ADDR (left from work on one machine) would send the other nodes' ranks to themselves
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(SystemExit) as refused:
