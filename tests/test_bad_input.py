@@ -198,6 +198,12 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
                             str(files / "rte_header_only"), "--output-dir", out), "dev.tsv holds no examples")
     argparse_refusal(cli_in_process("robustness", "swap-syn", "--task", "rte", "--model", model, "--data-dir", "d",
                                     "--output-dir", out, "--max-eval-samples", "0"), "--max-eval-samples", "must be >= 1, not 0")
+    # swap-syn takes SQuAD (--task squad --dev) or a GLUE task (--data-dir), each with its own inputs
+    swap = ("robustness", "swap-syn", "--model", model, "--output-dir", out)
+    one_line(cli_in_process(*swap, "--task", "squad", "--data-dir", "d"), "swap-syn --task squad takes --dev FILE")
+    one_line(cli_in_process(*swap, "--task", "rte", "--dev", ok), "swap-syn --task rte takes --data-dir")
+    one_line(cli_in_process(*swap, "--task", "rte", "--data-dir", "d", "--doc-stride", "64"), "not --dev or --doc-stride")
+    one_line(cli_in_process(*swap, "--task", "squad", "--dev", str(files / "squad_empty.json")), "has no question")
     assert not (files / "out").exists()  # nothing was started
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import MINILM, SHARED_DATA, need_shared
@@ -86,26 +87,49 @@ def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path, monkey
     assert set(predictions) == {e["id"] for e in examples}
     assert evaluate_predictions(examples, predictions) == pytest.approx({k: trained[k] for k in ("exact_match", "f1")})
 
-    # the AddSentDiverse-style attack on the model just fine-tuned, over the same questions: each context as it
-    # is, then with one declarative sentence appended that holds another question's answer
+    # the attacks on the model just fine-tuned, over the same questions: each context as it is, then attacked
     import truneg.squad
-    from truneg.robustness import evaluate_squad
+    from truneg.robustness import WH_WORDS, evaluate_squad
 
     asked = []
     predict_answers = truneg.squad.predict_answers
     monkeypatch.setattr(truneg.squad, "predict_answers", lambda model, tokenizer, data, *a: asked.append(data) or
                         predict_answers(model, tokenizer, data, *a))
-    attacked = evaluate_squad(tmp_path / "fit" / "model", questions, tmp_path / "attack", max_eval_samples=n,
-                              max_seq_len=SQUAD_RECIPE["max_seq_len"], doc_stride=SQUAD_RECIPE["doc_stride"])
-    assert attacked["original_f1"] == pytest.approx(trained["f1"])  # the saved model scores as before
+    lengths = {k: SQUAD_RECIPE[k] for k in ("max_seq_len", "doc_stride")}
+    attacked = evaluate_squad(tmp_path / "fit" / "model", questions, tmp_path / "attack", max_eval_samples=n, **lengths)
     assert attacked["drop_f1"] == pytest.approx(attacked["original_f1"] - attacked["transformed_f1"])
     original, distracted = asked
-    assert original == examples
+    assert attacked["examples"] == len(original) > n / 2 and attacked["dropped_out"] == n - len(original)
+    if not attacked["dropped_out"]:
+        assert attacked["original_f1"] == pytest.approx(trained["f1"])  # the saved model scores as before
+    assert all(e in examples for e in original)
+    # AddSentDiverse: one sentence before the answer's sentence, holding another question's answer whole and
+    # not the question's own words unaltered; the answers where they were, moved by its length
     answers = {answer for e in examples for answer in e["answers"]}
     fakes = 0
-    for example, changed in zip(examples, distracted):
-        assert changed["context"].startswith(example["context"] + " ") and changed["context"].endswith(".")
-        assert {**changed, "context": example["context"]} == example  # only the context changes
-        added = changed["context"][len(example["context"]) + 1:]
-        fakes += any(answer.lower() in added.lower() for answer in answers - set(example["answers"]))
-    assert fakes > n / 2  # another question's answer, whole where the synonym swaps left it so
+    for example, changed in zip(original, distracted):
+        before, after, grown = example["context"], changed["context"], len(changed["context"]) - len(example["context"])
+        differ = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), len(before))
+        # where the sentence went in: at a sentence's start, the context before it and after it unchanged
+        [at] = [i for i in range(differ + 1) if after[i + grown:] == before[i:]
+                and (i == 0 or before[:i].rstrip().endswith((".", "!", "?", '."', ".)")))][-1:]
+        added = after[at: at + grown]
+        assert added.endswith(". ") and at <= min(example["answer_starts"])  # before the answer's sentence
+        assert not re.search(r"[.!?][\"')\]]*\s+\S", before[at: min(example["answer_starts"])])  # the answer's sentence
+        for start, answer in zip(changed["answer_starts"], changed["answers"]):
+            assert changed["context"][start: start + len(answer)] == answer
+        assert {**changed, "context": example["context"], "answer_starts": example["answer_starts"]} == example
+        fakes += any(answer in added for answer in answers - set(example["answers"]))
+        asked_words = [w.lower() for w in re.findall(r"[\w'-]+", example["question"]) if w.lower() not in WH_WORDS]
+        said_words = [w.lower() for w in re.findall(r"[\w'-]+", added)][:len(asked_words)]
+        assert said_words != asked_words  # the question altered: the distractor does not answer it
+    assert fakes == len(original)  # another question's answer, whole
+    # SwapSynWordNet on the contexts: the answers' own words never swapped, and where they were
+    asked.clear()
+    swapped = evaluate_squad(tmp_path / "fit" / "model", questions, tmp_path / "swap", max_eval_samples=n,
+                             attack="swap-syn", **lengths)
+    assert swapped["transform"] == "SwapSynWordNet" and swapped["examples"] + swapped["dropped_out"] == n
+    for example, changed in zip(*asked):
+        assert changed["context"] != example["context"] and changed["answers"] == example["answers"]
+        for start, answer in zip(changed["answer_starts"], changed["answers"]):
+            assert changed["context"][start: start + len(answer)] == answer

@@ -35,16 +35,26 @@ def _finetune_squad(args) -> None:
 
 
 def _robustness_swap(args) -> None:
+    from truneg.errors import UserError
     from truneg.robustness import evaluate_glue
 
+    if args.task == "squad":
+        if not args.dev or args.data_dir:
+            raise UserError("swap-syn --task squad takes --dev FILE (SQuAD v1.1 dev JSON), not --data-dir")
+        return _robustness_squad(args, "swap-syn")
+    if not args.data_dir or args.dev or args.doc_stride is not None:
+        raise UserError(f"swap-syn --task {args.task} takes --data-dir (the task's GLUE folder), not --dev or "
+                        "--doc-stride (those are for --task squad)")
     print(json.dumps(evaluate_glue(args.task, args.model, args.data_dir, args.output_dir, args.seed,
-                                   args.max_eval_samples), indent=2))
+                                   args.max_eval_samples, max_seq_len=args.max_seq_len or 128), indent=2))
 
 
-def _robustness_add_sent(args) -> None:
+def _robustness_squad(args, attack: str) -> None:
     from truneg.robustness import evaluate_squad
 
-    print(json.dumps(evaluate_squad(args.model, args.dev, args.output_dir, args.seed, args.max_eval_samples), indent=2))
+    print(json.dumps(evaluate_squad(args.model, args.dev, args.output_dir, args.seed, args.max_eval_samples,
+                                    max_seq_len=args.max_seq_len or 384, doc_stride=args.doc_stride or 128,
+                                    attack=attack), indent=2))
 
 
 def _add_io(parser, model_help: str) -> None:
@@ -53,6 +63,13 @@ def _add_io(parser, model_help: str) -> None:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--seed", type=int, default=42)
     parser.set_defaults(output_paths=[("output_dir", "--output-dir", True)])  # checked by cli.main, before any work
+
+
+def _add_scoring(parser, max_seq_len_help: str) -> None:
+    """Flags of the robustness commands' scoring: score with the fine-tuning's lengths."""
+    parser.add_argument("--max-seq-len", type=int_at_least(8), help=f"as the model was fine-tuned with ({max_seq_len_help})")
+    parser.add_argument("--doc-stride", type=int_at_least(1), help="SQuAD: as the model was fine-tuned with (default 128)")
+    parser.add_argument("--max-eval-samples", type=int_at_least(1))
 
 
 def _add_recipe(parser, epochs: int | None, epochs_help: str | None, max_seq_len: int) -> None:
@@ -89,17 +106,18 @@ def add_commands(commands) -> None:
 
     robustness = commands.add_parser("robustness", help="scores under synonym swaps and distractors (paper Table 5)")
     attacks = robustness.add_subparsers(dest="attack", required=True)
-    swap = attacks.add_parser("swap-syn", help="TextFlint's SwapSynWordNet on a GLUE dev set")
-    swap.add_argument("--task", required=True)
-    swap.add_argument("--data-dir", required=True)
-    _add_io(swap, "a fine-tuned classifier (finetune glue's OUTPUT/model)")
-    swap.add_argument("--max-eval-samples", type=int_at_least(1))
+    swap = attacks.add_parser("swap-syn", help="TextFlint's SwapSynWordNet on SQuAD dev or a GLUE dev set")
+    swap.add_argument("--task", required=True, help="squad (with --dev), or a GLUE task (with --data-dir)")
+    swap.add_argument("--data-dir", help="the GLUE task's folder with dev.tsv")
+    swap.add_argument("--dev", help="SQuAD v1.1 dev JSON (--task squad)")
+    _add_io(swap, "a fine-tuned model (finetune glue's or squad's OUTPUT/model)")
+    _add_scoring(swap, "default: the fine-tuning's, 128 for GLUE, 384 for SQuAD")
     swap.set_defaults(func=_robustness_swap)
-    add_sent = attacks.add_parser("add-sent", help="an AddSentDiverse-style distractor on SQuAD dev")
-    add_sent.add_argument("--dev", required=True)
+    add_sent = attacks.add_parser("add-sent", help="TextFlint's AddSentDiverse (without CoreNLP) on SQuAD dev")
+    add_sent.add_argument("--dev", required=True, help="SQuAD v1.1 dev JSON")
     _add_io(add_sent, "a fine-tuned QA model (finetune squad's OUTPUT/model)")
-    add_sent.add_argument("--max-eval-samples", type=int_at_least(1))
-    add_sent.set_defaults(func=_robustness_add_sent)
+    _add_scoring(add_sent, "default: the fine-tuning's, 384")
+    add_sent.set_defaults(func=lambda args: _robustness_squad(args, "add-sent"))
 
     from truneg.ablation import add_command
 
