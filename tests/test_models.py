@@ -179,3 +179,45 @@ def test_word_sr_leaves_out_a_predicted_pad():
     expected = soft_regularization(model.word_embeddings.weight.detach(), gold[:, [0, 2]], pred[:, [0, 2]])
     assert torch.allclose(stats["sr_loss"], expected)
     assert model.word_embeddings.weight.grad.to_dense()[pad].abs().max() == 0
+
+
+def test_electra_discriminator_labels_the_replaced_masked_tokens_and_teaches_the_generator_nothing(monkeypatch):
+    """google-research/electra: the discriminator's labels are (sampled input != original), token by token; a
+    row's padding slots (it has fewer masked positions than another) mark nothing, though they point at
+    position 0; and the sample is not differentiated: no gradient of the discriminator's loss reaches the
+    generator's own weights."""
+    import truneg.models
+
+    torch.manual_seed(0)
+    model = build_pretrainer("electra-tiny", ObjectiveConfig(), dropout=0.0)
+    inputs, _, labels, original = masked_batch(5)
+    batch = model_inputs(inputs, labels, original)
+    positions, valid = batch["masked_positions"], batch["masked_valid"]
+    assert (~valid).any()  # rows of unequal masked counts: padding slots
+    gold = original.gather(1, positions)
+    slot = torch.arange(gold.shape[1]).expand_as(gold)
+    sample = torch.where(slot % 2 == 0, gold, (gold + 1) % 30522)  # a replacement at odd slots, padding ones too
+    expected = torch.zeros_like(original)
+    for row in range(len(original)):
+        for k in range(positions.shape[1]):
+            if valid[row, k] and k % 2 == 1:
+                expected[row, positions[row, k]] = 1
+    seen = []
+    discriminator_loss = truneg.models.discriminator_loss
+
+    def recorded(logits, disc_labels, attention_mask):
+        seen.append(disc_labels)
+        return discriminator_loss(logits, disc_labels, attention_mask)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(truneg.models, "gumbel_max_sample", lambda logits: sample)
+        patch.setattr(truneg.models, "discriminator_loss", recorded)
+        model(**batch)
+    assert torch.equal(seen[0].long(), expected) and expected.sum() > 0
+    # the discriminator's loss alone (the generator's MLM loss zeroed): the generator's own weights get nothing
+    monkeypatch.setattr(truneg.models, "mlm_loss", lambda logits, *a: logits.sum() * 0)
+    loss, _ = model(**batch)
+    loss.backward()
+    own = {n: p for n, p in model.generator.named_parameters() if "embeddings" not in n and "lm_head" not in n}
+    assert own and all(p.grad is None or not p.grad.any() for p in own.values())
+    assert model.word_embeddings.weight.grad.abs().sum() > 0  # shared with the discriminator: it learns
