@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import re
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -32,20 +32,26 @@ WORDNET_POS = {"NN": "n", "VB": "v", "JJ": "a", "RB": "r"}
 WH_WORDS = {"what", "which", "who", "whom", "whose", "when", "where", "why", "how"}
 
 
+class Tools(NamedTuple):
+    tokenizer: object  # nltk's TreebankWordTokenizer
+    stopwords: frozenset
+    wordnet: object  # nltk's WordNet corpus reader
+
+
 @lru_cache(maxsize=1)
-def _tools():
+def _tools() -> Tools:
     from nltk.tokenize import TreebankWordTokenizer
     from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
     from truneg.wordnet_setup import load_wordnet
 
-    return TreebankWordTokenizer(), ENGLISH_STOP_WORDS, load_wordnet()
+    return Tools(TreebankWordTokenizer(), ENGLISH_STOP_WORDS, load_wordnet())
 
 
 @lru_cache(maxsize=200_000)
 def wordnet_pos(word: str) -> str | None:
     """The part of speech whose WordNet senses of `word` are most frequent in SemCor (None: not in WordNet)."""
-    wn = _tools()[2]
+    wn = _tools().wordnet
     best, best_count = None, -1
     for pos in "nvar":
         synsets = wn.synsets(word, pos)
@@ -67,7 +73,7 @@ def pos_tags(words: list[str]) -> list[str | None]:
 
 
 def synonyms(word: str, pos: str) -> list[str]:
-    wn = _tools()[2]
+    wn = _tools().wordnet
     names = {lemma.name() for s in wn.synsets(word, pos) for lemma in s.lemmas()}
     return sorted(n for n in names if "_" not in n and "-" not in n and n.lower() != word.lower())
 
@@ -79,7 +85,7 @@ def word_spans(text: str) -> list[tuple[int, int]]:
     """The Treebank tokenizer's words of `text` as character spans (its own alignment; where it fails on odd
     quotes, words and single punctuation marks)."""
     try:
-        return list(_tools()[0].span_tokenize(text))
+        return list(_tools().tokenizer.span_tokenize(text))
     except ValueError:
         return [m.span() for m in re.finditer(r"\w+|[^\w\s]", text)]
 
@@ -92,7 +98,7 @@ def swap_syn_edits(text: str, rng: random.Random, ratio: float = 0.1, minimum: i
                    keep: list[tuple[int, int]] = ()) -> list[Edit] | None:
     """SwapSynWordNet's swaps of `text` (none inside the `keep` spans), in text order, or None when no word is
     a candidate (the text drops out)."""
-    _, stopwords, _ = _tools()
+    stopwords = _tools().stopwords
     spans = word_spans(text)
     words = [text[start:end] for start, end in spans]
     candidates = {}
@@ -131,7 +137,7 @@ def swap_syn(sentence: str, rng: random.Random, ratio: float = 0.1, minimum: int
 
 def antonym(word: str, pos: str) -> str | None:
     """A single-word WordNet antonym of `word` in that part of speech (the first, in sorted order)."""
-    wn = _tools()[2]
+    wn = _tools().wordnet
     names = {a.name() for s in wn.synsets(word, pos) for lemma in s.lemmas() if lemma.name().lower() == word.lower()
              for a in lemma.antonyms()}
     return min((n for n in names if "_" not in n and "-" not in n), default=None)
@@ -141,7 +147,7 @@ def proper_nouns(questions: list[str]) -> list[str]:
     """The capitalised words inside questions (not their first word): AddSentDiverse's stand-ins for proper
     nouns, one of which replaces another's."""
     found = {q[start:end] for q in questions for start, end in word_spans(q)[1:] if q[start:start + 1].isupper()
-             and q[start:end].isalpha() and q[start:end].lower() not in _tools()[1]}
+             and q[start:end].isalpha() and q[start:end].lower() not in _tools().stopwords}
     return sorted(found)
 
 
