@@ -1,14 +1,14 @@
 # Sourced by the launch scripts: check the hostfile, write the run's env file for the other nodes, check
 # the run (`truneg preflight`), then hand over to the deepspeed launcher.
 #
-# Multi-node runs go over pdsh (DeepSpeed's default launcher; it has no ssh fallback; LAUNCHER_ARGS="--launcher
-# openmpi" and the like choose another): every node needs this repo and its venv at the same path (the
-# venv's bin goes first on each node's PATH, through the env file), passwordless ssh from the launching
-# node, and OUTPUT and the data on storage every node sees (only rank 0 writes `latest` and the run record:
-# a node-local OUTPUT makes the nodes disagree on where to resume). DeepSpeed forwards only some variables (PYTHON*, UCX_*; NCCL_* only from
-# a node with a GPU) to the other nodes; the rest, and this shell's NCCL_*, CUDA_HOME, MASTER_ADDR/PORT
-# (the MPI and Slurm runners set none) and PATH, go in $OUTPUT/deepspeed_env, which DS_ENV_FILE names
-# (see truneg/env_file.py).
+# Multi-node runs go over pdsh (DeepSpeed's default launcher; it has no ssh fallback;
+# LAUNCHER_ARGS="--launcher openmpi" and the like choose another): every node needs this repo and its venv at
+# the same path (the venv's bin goes first on each node's PATH, through the env file), passwordless ssh from
+# the launching node, and OUTPUT and the data on storage every node sees (only rank 0 writes `latest` and the
+# run record: a node-local OUTPUT makes the nodes disagree on where to resume). DeepSpeed forwards only some
+# variables (PYTHON*, UCX_*; NCCL_* only from a node with a GPU) to the other nodes; the rest, and this
+# shell's NCCL_*, CUDA_HOME, MASTER_ADDR/PORT (the MPI and Slurm runners set none) and PATH, go in
+# $OUTPUT/deepspeed_env, which DS_ENV_FILE names (see truneg/env_file.py).
 #
 #   OUTPUT    the run's folder (required; shared storage)
 #   GPU       v100 (default: fp16, the paper's machines) | a100 | h100 | h200 (bf16)
