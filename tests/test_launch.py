@@ -151,6 +151,9 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
         hostfile.main([str(hosts), "--env-file", str(tmp_path / "loopback_env")])
     assert refused.value.code == 2 and not (tmp_path / "loopback_env").exists()
     hostfile.main([str(one), "--env-file", str(tmp_path / "loopback_env")])  # one node: fine
+    for name in ("LOCALHOST", "::1"):  # names and addresses as the node resolves them
+        with pytest.raises(UserError, match="is a loopback address"):
+            hostfile.check_master_addr({"MASTER_ADDR": name})
     monkeypatch.setenv("MASTER_ADDR", "node-01")
     # pdsh's remote shell gets this folder (`cd`), the venv's Python and the script unquoted: a space breaks them
     (tmp_path / "my runs").mkdir()

@@ -95,13 +95,15 @@ def test_add_sent_alters_the_question_so_that_the_distractor_does_not_answer_it(
     from nltk.corpus import wordnet
 
     rng = random.Random(0)
-    altered = alter_question("Which team lost the game in Paris in 1998?", rng, ["London", "Paris"])
-    words = re.findall(r"\w+", altered)
-    assert words[:2] == ["Which", "team"] and words[3:5] == ["the", "game"]
-    lost_to = words[2]
-    assert lost_to in {a.name() for s in wordnet.synsets("lost") for lemma in s.lemmas() for a in lemma.antonyms()}
-    assert words[6] == "London" and 1988 <= int(words[-1]) <= 2008 and words[-1] != "1998"
+    altered = alter_question("Which team had the largest stadium in Paris in 1998?", rng, ["London", "Paris"])
+    words = re.findall(r"\w+", altered)  # one word for one: Which team had the largest stadium in Paris in 1998
+    assert words[:2] == ["Which", "team"] and words[5] == "stadium"
+    # an inflected word takes its base form's antonym (largest -> large -> small)
+    assert words[4] in {a.name() for s in wordnet.synsets("large", wordnet.ADJ) for lemma in s.lemmas()
+                        for a in lemma.antonyms()}
+    assert words[7] == "London" and 1988 <= int(words[9]) <= 2008 and words[9] != "1998"
     assert alter_question("What is it?", rng, ["London"]) is None  # nothing to alter: the question drops out
+    assert alter_question("What is the area in km ²?", rng, []) is None  # a digit that is no number: no crash
     distractor = add_sent_distractor(altered, "Chicago Bears Inc.")
     assert distractor.endswith("Chicago Bears Inc.") and not distractor.endswith("..")  # the fake answer whole
     assert not any(w.lower() in WH_WORDS for w in re.findall(r"\w+", distractor))
@@ -118,3 +120,14 @@ def test_the_distractor_goes_before_the_answers_sentence():
         assert changed["context"][start: start + len(answer)] == answer
     first = insert_before_answer({**example, "answer_starts": [0], "answers": ["First"]}, "X.")
     assert first["context"] == "X. " + context and first["answer_starts"] == [3]
+
+
+def test_sentences_do_not_end_at_abbreviations_and_capitals_inside_a_synonym_stay():
+    from truneg.robustness import _cased, sentence_starts
+
+    text = "It was in St. Louis, home of the U.S. Army. Dr. Who left! Then J. Smith came (late). End."
+    assert [text[i:].split()[0] for i in sentence_starts(text)] == ["It", "Dr.", "Then", "End."]
+    assert _cased("CA", "California") == "CA" and _cased("state", "State") == "State" and _cased("ca", "ca") == "ca"
+    # a piece the tokenizer cut out of a word ("got" of "gotta") is not a word to swap
+    for seed in range(10):
+        assert "gotta" in swap_syn("you gotta love this movie , it is great .", random.Random(seed))

@@ -76,11 +76,13 @@ def check_master_addr(environ: dict[str, str] | None = None) -> None:
     import ipaddress
 
     address = dict(os.environ if environ is None else environ).get("MASTER_ADDR", "")
-    try:
-        loopback = address == "localhost" or ipaddress.ip_address(address).is_loopback
-    except ValueError:  # a host name
-        loopback = False
-    if loopback:
+    if not address:
+        return
+    try:  # an address, or what a name resolves to here (localhost, localhost.localdomain, ip6-localhost, ...)
+        found = {info[4][0] for info in socket.getaddrinfo(address, None)}
+    except OSError:  # a name this node cannot resolve: not its to judge
+        return
+    if found and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found):
         raise UserError(f"MASTER_ADDR={address} is a loopback address, which the other nodes cannot reach: export the "
                         "first node's address, or unset it (over pdsh deepspeed finds one)")
 

@@ -91,7 +91,8 @@ def word_spans(text: str) -> list[tuple[int, int]]:
 
 
 def _cased(replacement: str, word: str) -> str:
-    return replacement.capitalize() if word[:1].isupper() else replacement
+    """A capitalised word's replacement capitalised (its other letters as WordNet writes them: "CA", "UK")."""
+    return replacement[:1].upper() + replacement[1:] if word[:1].isupper() else replacement
 
 
 def swap_syn_edits(text: str, rng: random.Random, ratio: float = 0.1, minimum: int = 1, maximum: int = 10,
@@ -104,7 +105,9 @@ def swap_syn_edits(text: str, rng: random.Random, ratio: float = 0.1, minimum: i
     candidates = {}
     for i, (word, pos) in enumerate(zip(words, pos_tags(words))):
         kept = any(start < spans[i][1] and spans[i][0] < end for start, end in keep)
-        if pos and word.isalpha() and word.lower() not in stopwords and not kept:
+        # a whole word, not a piece the tokenizer cut out of one ("got" of "gotta")
+        whole = not text[spans[i][0] - 1: spans[i][0]].isalnum() and not text[spans[i][1]: spans[i][1] + 1].isalnum()
+        if pos and word.isalpha() and word.lower() not in stopwords and not kept and whole:
             options = synonyms(word.lower(), pos)
             if options:
                 candidates[i] = options
@@ -136,9 +139,11 @@ def swap_syn(sentence: str, rng: random.Random, ratio: float = 0.1, minimum: int
 
 
 def antonym(word: str, pos: str) -> str | None:
-    """A single-word WordNet antonym of `word` in that part of speech (the first, in sorted order)."""
+    """A single-word WordNet antonym of `word` (or of its base form: "won" -> lose, "largest" -> small) in that
+    part of speech (the first, in sorted order)."""
     wn = _tools().wordnet
-    names = {a.name() for s in wn.synsets(word, pos) for lemma in s.lemmas() if lemma.name().lower() == word.lower()
+    forms = {word.lower(), (wn.morphy(word.lower(), pos) or word).lower()}
+    names = {a.name() for s in wn.synsets(word, pos) for lemma in s.lemmas() if lemma.name().lower() in forms
              for a in lemma.antonyms()}
     return min((n for n in names if "_" not in n and "-" not in n), default=None)
 
@@ -159,7 +164,7 @@ def alter_question(question: str, rng: random.Random, nouns: list[str]) -> str |
     edits = []
     for i, (word, pos) in enumerate(zip(words, pos_tags(words))):
         new = None
-        if word.isdigit():  # a nearby number: a year a few years off, another within a fifth of it
+        if re.fullmatch(r"[0-9]+", word):  # a nearby number: a year a few years off, another within a fifth of it
             value = int(word)
             new = str(max(0, value + rng.choice([-1, 1]) * rng.randint(1, 10 if 1000 <= value < 3000 else
                                                                           max(1, value // 5))))
@@ -181,13 +186,26 @@ def add_sent_distractor(altered_question: str, fake_answer: str) -> str:
 
 
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+")
+# A period after these ends no sentence: "St. Louis", "Dr. Who", "U.S. Army", "J. Smith", "vs. them"
+ABBREVIATION = re.compile(r"(?:[A-Z][a-z]{0,2}|[A-Za-z](?:\.[A-Za-z])+|vs|etc)\.")
+
+
+def sentence_starts(text: str) -> list[int]:
+    """Where `text`'s sentences start (0 first): after . ! or ? (and closing quotes or brackets) and whitespace,
+    but not after an abbreviation's period."""
+    starts = [0]
+    for match in SENTENCE_END.finditer(text):
+        before = text[:match.start() + 1].rsplit(None, 1)[-1]
+        if not ABBREVIATION.fullmatch(before):
+            starts.append(match.end())
+    return starts
 
 
 def insert_before_answer(example: dict, distractor: str) -> dict:
     """The example with `distractor` inserted before the context's sentence that holds the (first) answer; the
     answers' starts moved with it."""
     context, first = example["context"], min(example["answer_starts"], default=0)
-    at = max([0] + [m.end() for m in SENTENCE_END.finditer(context) if m.end() <= first])
+    at = max(start for start in sentence_starts(context) if start <= first)
     added = distractor + " "
     starts = [s + len(added) if s >= at else s for s in example["answer_starts"]]
     return {**example, "context": context[:at] + added + context[at:], "answer_starts": starts}
