@@ -5,7 +5,7 @@ import contextlib
 import json
 import sys
 
-from truneg.errors import float_between, int_at_least
+from truneg.errors import UserError, float_between, int_at_least
 
 DEEPSPEED_HELP = ("train through HF Trainer's DeepSpeed integration (ZeRO, precision); the config's optimizer and "
                   "scheduler sections are ignored: the recipe's layer-wise AdamW groups and warmup stay")
@@ -35,7 +35,6 @@ def _finetune_squad(args) -> None:
 
 
 def _robustness_swap(args) -> None:
-    from truneg.errors import UserError
     from truneg.robustness import evaluate_glue
 
     if args.task == "squad":
