@@ -30,9 +30,9 @@ $(SETUP_STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	# WordNet 3.0 for nltk, offline, from Debian's packages (skipped if nltk already finds a wordnet corpus).
-	$(PY) -c "from truneg.wordnet_setup import load_wordnet; load_wordnet()" 2>/dev/null || { \
+	$(PY) -c "from truneg.synonyms.wordnet import load_wordnet; load_wordnet()" 2>/dev/null || { \
 	  dpkg -s wordnet-base wordnet-sense-index >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq wordnet-base wordnet-sense-index; }; \
-	  $(PY) -m truneg.wordnet_setup; }
+	  $(PY) -m truneg.synonyms.wordnet; }
 	touch $(SETUP_STAMP)
 
 # A small real BERT checkpoint for the fine-tuning tests (its deps would pull a CUDA torch: --no-deps). Its own

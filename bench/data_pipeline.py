@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from truneg import corpus, prepare  # noqa: E402  (no torch: the main process stays a small coordinator)
+from truneg.data import corpus, prepare  # noqa: E402  (no torch: the main process stays a small coordinator)
 
 
 def run_mlm_recipe(files: list[Path], tokenizer, seq_len: int, num_proc: int, cache: Path) -> int:

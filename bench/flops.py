@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from truneg.data import load_tokenizer  # noqa: E402
-from truneg.masking import default_max_predictions, mask_tokens  # noqa: E402
-from truneg.models import ObjectiveConfig, build_pretrainer  # noqa: E402
+from truneg.data.blocks import load_tokenizer  # noqa: E402
+from truneg.data.masking import default_max_predictions, mask_tokens  # noqa: E402
+from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer  # noqa: E402
 
 
 def train_flops_per_sample(preset: str, seq_len: int) -> float:

@@ -10,7 +10,7 @@
 #     machine's nvcc;
 #   - Python 3.12 manylinux x86_64 wheels of everything deepspeed, datasets and nltk need besides torch,
 #     each pinned to the version installed here (the one truneg is tested with);
-#   - nltk_data.tar.gz: the WordNet corpus as truneg/wordnet_setup.py installed it here;
+#   - nltk_data.tar.gz: the WordNet corpus as truneg/synonyms/wordnet.py installed it here;
 #   - requirements.txt (what gpu_check.sh installs) and pins.txt (name==version of every wheel).
 # --present FILE: a `pip freeze` (or one name a line) of the target image; a package it already holds in a
 # version that satisfies every requirement on it gets no wheel, which keeps DIR small.

@@ -105,9 +105,9 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
     run step for step; two real processes of `python -m truneg.pretrain`, the reference beside it."""
     import torch
 
-    from truneg.checkpoint import rank_state_file
-    from truneg.data import ensure_prepared, load_tokenizer
-    from truneg.run_config import CHECKPOINTS
+    from truneg.data.blocks import ensure_prepared, load_tokenizer
+    from truneg.train.checkpoint import rank_state_file
+    from truneg.train.run_config import CHECKPOINTS
 
     shipped = DS_CONFIGS / "electra_small_a100_bf16_zero1.json"
     config = config_for(shipped, mode, work)
@@ -169,7 +169,7 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
 def release_locks(mode: Mode, note: Summary, work: Path) -> bool:
     """After a stage was killed by its timeout: delete the JIT-build locks its processes held when they died
     (none that a live process holds), so that the stages after it, and the next check, do not wait on them."""
-    from truneg.distributed import orphaned_build_locks
+    from truneg.train.distributed import orphaned_build_locks
 
     for lock in orphaned_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
         lock.unlink(missing_ok=True)

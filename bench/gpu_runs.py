@@ -16,8 +16,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from truneg.config import DS_CONFIGS  # noqa: E402
-from truneg.data import DEMO_CORPUS as CORPUS  # noqa: E402
+from truneg.data.blocks import DEMO_CORPUS as CORPUS  # noqa: E402
+from truneg.train.ds_config import DS_CONFIGS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def run_pretrain(argv: list[str], output_dir: Path) -> Run:
     seconds = time.perf_counter() - start
     facts = {}
     if engines:
-        from truneg.loop import innermost_optimizer
+        from truneg.train.loop import innermost_optimizer
 
         engine = engines[-1]
         precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
@@ -163,7 +163,7 @@ def plain_step(model, optimizer, batch: dict, accum: int) -> None:
 
 
 def read_records(output_dir: Path) -> list[dict]:
-    from truneg.run_config import METRICS
+    from truneg.train.run_config import METRICS
 
     metrics = output_dir / METRICS
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -197,7 +197,7 @@ def common_args(mode: Mode, model: str, config: Path, micro: int, accum: int) ->
 
 def config_split(path: Path, world_size: int = 1) -> tuple[str, int, int]:
     """The config's own batch arithmetic on this world size, as truneg resolves it: (line, micro, accumulation)."""
-    from truneg import config as dsc
+    from truneg.train import ds_config as dsc
 
     resolved, choices = dsc.resolve(path, world_size, 10, Path("unused"))
     return choices[0], resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"]

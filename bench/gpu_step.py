@@ -133,7 +133,7 @@ def stage_syncs(mode: Mode, note: Summary, work: Path) -> bool:
     forward and the backward. The real loop's set-up (truneg.pretrain.main) with the loop replaced."""
     import torch
 
-    from truneg import loop
+    from truneg.train import loop
 
     shipped = DS_CONFIGS / "bert_large_a100_bf16_zero1.json"
     model = mode.preset("bert", large=True)
@@ -261,7 +261,7 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
              f"first {mode.bench_log} steps {first_s:.1f} s")
         base = variant.replace(" hc+sr", " baseline").replace(" compile", "")
         if compiled:
-            from truneg.loop import compile_summary
+            from truneg.train.loop import compile_summary
 
             note(f"    {compile_summary()}")
         if variant.endswith("compile") and variant.replace(" compile", "") in rates:

@@ -98,7 +98,8 @@ def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", mic
                    profile: bool = False) -> float:
     """truneg's step at a ZeRO stage: the shipped bf16 config of `model` with `edits` merged into its sections,
     `flags` added to the command line, at `micro` x as many micro-steps as make MICRO x ACCUM samples."""
-    from truneg import loop, pretrain
+    from truneg import pretrain
+    from truneg.train import loop
 
     config = json.loads((DS_CONFIGS / f"{model.replace('-', '_')}_a100_bf16_zero1.json").read_text())
     # the shipped settings (overlap_comm, contiguous_gradients, 5e7 buckets) at another stage; until 2026-12-01 this
@@ -136,9 +137,9 @@ def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", mic
 def plain_rate(compiled: bool = False, profile: bool = False, micro: int = MICRO) -> float:
     import numpy as np
 
-    from truneg.data import load_tokenizer
-    from truneg.masking import mask_tokens
-    from truneg.models import ObjectiveConfig, build_pretrainer
+    from truneg.data.blocks import load_tokenizer
+    from truneg.data.masking import mask_tokens
+    from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
 
     tokenizer = load_tokenizer()
     accum = MICRO * ACCUM // micro  # the same samples per optimizer step at any micro-batch

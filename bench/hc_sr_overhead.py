@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from truneg.data import load_tokenizer  # noqa: E402
-from truneg.masking import default_max_predictions, mask_tokens  # noqa: E402
-from truneg.models import ObjectiveConfig, build_pretrainer  # noqa: E402
-from truneg.objectives import hard_correction, soft_regularization  # noqa: E402
-from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  # noqa: E402
+from truneg.data.blocks import load_tokenizer  # noqa: E402
+from truneg.data.masking import default_max_predictions, mask_tokens  # noqa: E402
+from truneg.model.objectives import hard_correction, soft_regularization  # noqa: E402
+from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer  # noqa: E402
+from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  # noqa: E402
 
 VARIANTS = {
     "baseline": dict(hc=False, sr="none"),

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_runs import CORPUS, DS_CONFIGS, plain_step, run_pretrain  # noqa: E402
 from bench.gpu_step import PEAK_TFLOPS, TFLOPS_PER_SAMPLE  # noqa: E402
 from bench.hc_sr_overhead import real_batch  # noqa: E402
-from truneg import models  # noqa: E402
-from truneg.data import load_tokenizer  # noqa: E402
+from truneg.data.blocks import load_tokenizer  # noqa: E402
+from truneg.model import pretrainers as models  # noqa: E402
 
 MICRO, SEQ, STEPS, LOG = 2, 32, 25, 5
 # Same depth, heads and parameter tensors as the real presets; 4-8 wide per head.

@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_step import PEAK_TFLOPS, TFLOPS_PER_SAMPLE  # noqa: E402
-from truneg.data import DEMO_CORPUS, ResumableSampler, load_tokenizer  # noqa: E402
-from truneg.masking import MaskedBatches, default_max_predictions  # noqa: E402
-from truneg.prepare import pack_blocks  # noqa: E402
+from truneg.data.blocks import DEMO_CORPUS, ResumableSampler, load_tokenizer  # noqa: E402
+from truneg.data.masking import MaskedBatches, default_max_predictions  # noqa: E402
+from truneg.data.prepare import pack_blocks  # noqa: E402
 
 SEQ_LEN = 128
 

@@ -32,8 +32,8 @@ def measure(how: str, megabytes: int) -> dict:
 
     import numpy as np
 
-    from truneg import prepare
-    from truneg.data import load_tokenizer
+    from truneg.data import prepare
+    from truneg.data.blocks import load_tokenizer
 
     backend = load_tokenizer().backend_tokenizer
     text = " ".join(p.read_text(encoding="utf-8", errors="replace").replace("\n", " ") for p in sorted(NOVELS.glob("*.txt")))

@@ -24,19 +24,19 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from truneg.synonyms import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  # noqa: E402
+from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  # noqa: E402
 
 COLD_BUILD = """
 import time; start = time.perf_counter()
-from truneg.synonym_sources import build_from_wordnet
-from truneg.synonyms import read_vocab
+from truneg.synonyms.sources import build_from_wordnet
+from truneg.synonyms.table import read_vocab
 table = build_from_wordnet(read_vocab({vocab!r}), morphy={morphy})
 print(time.perf_counter() - start, table.num_entries)
 """
 NAIVE_BUILD = """
 import time; start = time.perf_counter()
-from truneg.synonyms import read_vocab, eligible_token_ids
-from truneg.wordnet_setup import load_wordnet
+from truneg.synonyms.table import read_vocab, eligible_token_ids
+from truneg.synonyms.wordnet import load_wordnet
 tokens = read_vocab({vocab!r}); words = {{tokens[i] for i in eligible_token_ids(tokens)}}
 from nltk.corpus.reader.wordnet import WordNetCorpusReader
 import nltk, warnings; warnings.simplefilter("ignore")

@@ -8,7 +8,7 @@
 # run record: a node-local OUTPUT makes the nodes disagree on where to resume). DeepSpeed forwards only some
 # variables (PYTHON*, UCX_*; NCCL_* only from a node with a GPU) to the other nodes; the rest, and this
 # shell's NCCL_*, CUDA_HOME, MASTER_ADDR/PORT (the MPI and Slurm runners set none) and PATH, go in
-# $OUTPUT/deepspeed_env, which DS_ENV_FILE names (see truneg/env_file.py).
+# $OUTPUT/deepspeed_env, which DS_ENV_FILE names (see truneg/cluster/env_file.py).
 #
 #   OUTPUT    the run's folder (required; shared storage)
 #   GPU       v100 (default: fp16, the paper's machines) | a100 | h100 | h200 (bf16)
@@ -23,7 +23,7 @@ HOSTFILE="${HOSTFILE:-$REPO/launch/hosts}"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 DEEPSPEED="${DEEPSPEED:-$REPO/.venv/bin/deepspeed}"
 GPU="${GPU:-v100}"
-GPU_ARCH="$("$PYTHON" -m truneg.config arch "$GPU")" || exit 2  # sm70 for v100, ...; one line for another name
+GPU_ARCH="$("$PYTHON" -m truneg.train.ds_config arch "$GPU")" || exit 2  # sm70 for v100, ...; one line for another name
 # Arrays below expand as ${a[@]+"${a[@]}"}: bash before 4.4 calls an empty "${a[@]}" unbound under set -u.
 # LAUNCHER_ARGS split as a shell splits it, so a quoted value stays one word (--launcher_args "--mca
 # btl_tcp_if_include ib0"); Python's shlex re-quotes each word, so nothing in it runs or expands here.
@@ -36,7 +36,7 @@ if [ -n "${LAUNCHER_ARGS:-}" ]; then
 fi
 hosts=()  # deepspeed's node arguments (each node's PATH, the venv's bin first, comes with the env file)
 if [ "$HOSTFILE" != local ]; then
-  "$PYTHON" -m truneg.hostfile "$HOSTFILE"
+  "$PYTHON" -m truneg.cluster.hostfile "$HOSTFILE"
   hosts=(--hostfile "$HOSTFILE")
 fi
 # An exported MASTER_ADDR/MASTER_PORT (an InfiniBand address, a port of this job's own): deepspeed's runner
@@ -55,7 +55,7 @@ if [ "$HOSTFILE" != local ]; then
   written=(--env-file "$DS_ENV_FILE" --launcher-args="${LAUNCHER_ARGS:-}")  # its launcher decides PATH
   # each rank checks its GPU against GPU=... (a check PREFLIGHT=0 skips, as the preflight)
   if [ "${PREFLIGHT:-1}" != 0 ]; then written+=(--gpu-arch "$GPU_ARCH"); fi
-  "$PYTHON" -m truneg.hostfile "$HOSTFILE" "${written[@]}"
+  "$PYTHON" -m truneg.cluster.hostfile "$HOSTFILE" "${written[@]}"
 fi
 
 absolute() {  # a path as seen from here, for every node (DeepSpeed's runner cds to this folder there, and
@@ -64,7 +64,7 @@ absolute() {  # a path as seen from here, for every node (DeepSpeed's runner cds
 }
 
 recipe() {  # recipe STEM: the recipe's config for $GPU (fp16 ZeRO-2 for a V100, bf16 ZeRO-1 from an A100)
-  "$PYTHON" -m truneg.config recipe "$1" "$GPU"
+  "$PYTHON" -m truneg.train.ds_config recipe "$1" "$GPU"
 }
 
 pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's run
@@ -93,7 +93,7 @@ launch() {
     local checked=(--gpu-arch "$GPU_ARCH")  # local: this machine's GPUs, as deepspeed counts them
     if [ "$HOSTFILE" != local ]; then checked+=(--hostfile "$HOSTFILE"); fi
     # LAUNCHER_ARGS' --launcher, --include/--exclude and --num_nodes/--num_gpus decide the nodes and the world size
-    "$PYTHON" -m truneg.preflight ${checked[@]+"${checked[@]}"} --launcher-args="${LAUNCHER_ARGS:-}" "$@"
+    "$PYTHON" -m truneg.cluster.preflight ${checked[@]+"${checked[@]}"} --launcher-args="${LAUNCHER_ARGS:-}" "$@"
   fi
   # exec: the launcher's exit status, which is a failed rank's, is this script's.
   exec "$DEEPSPEED" ${hosts[@]+"${hosts[@]}"} ${launcher_args[@]+"${launcher_args[@]}"} "$REPO/truneg/pretrain.py" "$@"

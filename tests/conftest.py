@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from truneg import distributed
+from truneg.train import distributed
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -39,6 +39,11 @@ LONGEST_FIRST = ("test_reliability", "test_topology", "test_engine", "test_gpu_c
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A test that starts processes (deepspeed ranks, the launch scripts) takes their environment: `launch`
+    # marks it, so that `pytest -m "not launch"` runs the in-process tests alone.
+    for item in items:
+        if "launch_env" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.launch)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # in one process (TEST_WORKERS=0, or a module run alone) the order changes nothing
 
@@ -191,8 +196,8 @@ def frequent_table(tmp_path_factory) -> Path:
     """A synonym table of the default vocab in which each of its FREQUENT_WORDS most frequent words is taken for a
     synonym of every other (a test table, not a thesaurus), built as a user builds one from a TSV of pairs
     (`truneg synonyms build --source tsv`); one file for all workers."""
-    from truneg.data import DEFAULT_TOKENIZER
-    from truneg.synonyms import eligible_token_ids, read_vocab
+    from truneg.data.blocks import DEFAULT_TOKENIZER
+    from truneg.synonyms.table import eligible_token_ids, read_vocab
 
     root = shared_tmp(tmp_path_factory)
     path = root / "tables" / "frequent_words.npz"

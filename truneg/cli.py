@@ -8,13 +8,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from truneg.data import commands as data_commands
 from truneg.errors import UserError, check_output_path, exit_on_user_error, float_between, int_at_least
+from truneg.eval import commands as eval_commands
 
 
 def _synonyms_build(args) -> None:
     import time
 
-    from truneg import synonym_sources, synonyms
+    from truneg.synonyms import sources as synonym_sources
+    from truneg.synonyms import table as synonyms
 
     tokens = synonyms.read_vocab(args.vocab)
     start = time.perf_counter()
@@ -34,7 +37,7 @@ def _synonyms_build(args) -> None:
 
 
 def _synonyms_show(args) -> None:
-    from truneg import synonyms
+    from truneg.synonyms import table as synonyms
 
     expect = synonyms.read_vocab(args.vocab) if args.vocab else None
     table = synonyms.SynonymTable.load(args.table, expect_tokens=expect)
@@ -43,7 +46,7 @@ def _synonyms_show(args) -> None:
 
 
 def _export(args) -> None:
-    from truneg.export import export
+    from truneg.train.export import export
 
     for part, folder in export(args.checkpoint, args.out_dir, args.tokenizer).items():
         print(f"{part}: {folder}")
@@ -83,16 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--tokenizer", help="tokenizer folder to save beside the weights (default: the run's own)")
     exp.set_defaults(func=_export)
 
-    # preflight takes pretrain.py's arguments, parsed by truneg.preflight itself (see main)
+    # preflight takes pretrain.py's arguments, parsed by truneg.cluster.preflight itself (see main)
     commands.add_parser("preflight", add_help=False,
                         help="check a pre-training run before launching it: truneg preflight --help")
 
-    from truneg import analysis_cli, evaluation_cli, prepare_cli
-
-    prepare_cli.add_command(commands)
-
-    analysis_cli.add_commands(commands)
-    evaluation_cli.add_commands(commands)
+    data_commands.add_command(commands)
+    eval_commands.add_commands(commands)
     return parser
 
 
@@ -100,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["preflight"]:
-        from truneg import preflight
+        from truneg.cluster import preflight
 
         sys.exit(preflight.run(argv[1:]))
     args = build_parser().parse_args(argv)
@@ -113,6 +112,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
     if "torch.distributed" in sys.modules:  # `finetune glue --deepspeed_config` set up a process group
-        from truneg.distributed import shutdown
+        from truneg.train.distributed import shutdown
 
         shutdown()

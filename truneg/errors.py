@@ -1,6 +1,7 @@
 """User-facing errors: one line that says what is wrong and how to fix it."""
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import sys
@@ -45,8 +46,6 @@ def out_of_range(value: float, low: float, high: float = math.inf, *, low_open: 
 
 def int_at_least(least: int) -> Callable[[str], int]:
     """An argparse `type` for an integer flag with a floor: below it, argparse's own one-line error and exit 2."""
-    import argparse
-
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -62,8 +61,6 @@ def int_at_least(least: int) -> Callable[[str], int]:
 
 def float_between(low: float, high: float = math.inf, *, low_open: bool = True) -> Callable[[str], float]:
     """An argparse `type` for a finite float in (low, high] ([low, high] with low_open=False)."""
-    import argparse
-
     def parse(text: str) -> float:
         try:
             value = float(text)

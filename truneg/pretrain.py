@@ -14,144 +14,20 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     # Run as a script by the deepspeed launcher: import truneg from the repo, and keep this folder's
-    # module names (data, models, ...) from shadowing installed packages.
+    # module names (data, model, ...) from shadowing installed packages.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-import argparse
-import os
-
-from truneg.errors import UserError, check_output_path, exit_on_user_error, out_of_range
-
-DEFAULT_OUTPUT_DIR = "runs/pretrain"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The pre-training arguments (shared with `truneg preflight`)."""
-    import deepspeed
-
-    from truneg.data import DEFAULT_TOKENIZER, DEMO_CORPUS
-    from truneg.models import PRESETS
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default: electra-tiny, or with --init-from "
-                        "the checkpoint's own architecture)")
-    parser.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)],
-                        help="text files, folders or globs (blank lines separate documents), or hf:NAME[:CONFIG][@SPLIT]#COLUMN")
-    parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
-    parser.add_argument("--save-steps", type=int, default=100, help="0: no periodic checkpoints (benchmarks; a SIGTERM still saves)")
-    parser.add_argument("--log-steps", type=int, default=10)
-    parser.add_argument("--output-dir", type=Path, default=Path(DEFAULT_OUTPUT_DIR))
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--init-from", help="continue pre-training from an HF checkpoint folder")
-    parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in --output-dir, if any) | none | DIR")
-    parser.add_argument("--overwrite", action="store_true", help="start afresh in an --output-dir that holds another run")
-    parser.add_argument("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu")
-    parser.add_argument("--gradient-accumulation-steps", type=int, help="override gradient_accumulation_steps")
-    parser.add_argument("--lr", type=float, help="override the optimizer's (and the warmup's peak) learning rate")
-    parser.add_argument("--dropout", type=float,
-                        help="dropout of every layer (default: 0.1, or with --init-from the checkpoint's own)")
-    parser.add_argument("--hc", default="none", help="hard correction: none | wordnet | embedding | FILE.npz")
-    parser.add_argument("--hc-embeddings", help="for --hc embedding: a word2vec file or an HF model folder")
-    parser.add_argument("--hc-prediction", choices=["argmax", "sample", "default"], default="default",
-                        help="the prediction HC judges (default: argmax for BERT, the generator's sample for ELECTRA)")
-    parser.add_argument("--sr", choices=["none", "word", "sent"], default="none", help="soft regularization")
-    parser.add_argument("--sr-weight", type=float, default=1.0)
-    parser.add_argument("--sr-sent-target", choices=["masked", "original"],
-                        help="H_s of --sr sent for BERT: the masked sentence (the MLM's own pass, default) or the "
-                             "original (ELECTRA's discriminator never sees [MASK]: it always takes the original)")
-    parser.add_argument("--max-predictions", type=int,
-                        help="masked positions per sequence, at most (default: 15%% of --seq-len rounded up to 4: "
-                             "20 at 128, 80 at 512)")
-    parser.add_argument("--max-nonfinite-steps", type=int, default=10,
-                        help="stop after this many optimizer steps in a row skipped for non-finite losses (any precision)")
-    parser.add_argument("--cache-dir", type=Path, help="tokenized-corpus cache (default: $TRUNEG_CACHE or ~/.cache/truneg)")
-    parser.add_argument("--num-proc", type=int, help="tokenizer processes")
-    parser.add_argument("--data-workers", type=int,
-                        help="DataLoader workers that read and mask ahead (default: 2 on GPUs, 0 on CPU ranks)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed's engine.compile)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    parser.add_argument("--keep-checkpoints", type=int, default=0,
-                        help="keep only the newest N complete checkpoints (0: keep all)")
-    return deepspeed.add_config_arguments(parser)
-
-
-def _is_electra_run(args: argparse.Namespace) -> bool:
-    from truneg.models import DEFAULT_PRESET, ELECTRA_PRESETS, is_electra_checkpoint
-
-    if args.init_from and Path(args.init_from).is_dir():
-        return is_electra_checkpoint(Path(args.init_from))
-    return (args.model or DEFAULT_PRESET) in ELECTRA_PRESETS
-
-
-def argument_problems(args: argparse.Namespace) -> list[str]:
-    """One line per argument out of range (shared with `truneg preflight`, which lists them all)."""
-    from truneg.models import MAX_POSITIONS, check_preset
-
-    # (--micro-batch-size and --gradient-accumulation-steps are checked with the config's own values, in
-    # config.resolve_batch_sizes; --num-proc 0 means every CPU)
-    floors = {"seq_len": 1, "max_steps": 1, "log_steps": 1, "max_nonfinite_steps": 1, "save_steps": 0,
-              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0, "seed": 0}
-    problems = [f"--{name.replace('_', '-')} {problem}" for name, least in floors.items()
-                if getattr(args, name) is not None and (problem := out_of_range(getattr(args, name), least))]
-    if args.model is not None:
-        try:
-            check_preset(args.model)
-        except UserError as err:
-            problems.append(str(err))
-    if args.max_predictions is not None and not 1 <= args.max_predictions <= args.seq_len:
-        problems.append(f"--max-predictions {args.max_predictions} must be between 1 and --seq-len {args.seq_len}")
-    if args.seq_len > MAX_POSITIONS:
-        problems.append(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} "
-                        "or less")
-    if args.dropout is not None and (problem := out_of_range(args.dropout, 0, 1, high_open=True)):
-        problems.append(f"--dropout {problem}")
-    if args.lr is not None and (problem := out_of_range(args.lr, 0, low_open=True)):
-        problems.append(f"--lr {problem}")
-    if problem := out_of_range(args.sr_weight, 0):
-        problems.append(f"--sr-weight {problem}")
-    if args.cache_dir is not None:  # (--output-dir: preflight.path_problems)
-        try:
-            check_output_path(args.cache_dir, "--cache-dir")
-        except UserError as err:
-            problems.append(str(err))
-    if args.sr_sent_target is not None and _is_electra_run(args):
-        problems.append(f"--sr-sent-target {args.sr_sent_target} is for BERT: ELECTRA's --sr sent always encodes the "
-                        "original sentence (its discriminator never sees [MASK]); drop the flag")
-    if args.overwrite and args.resume not in ("auto", "none"):  # it would start afresh, the checkpoint unread
-        problems.append(f"--overwrite starts afresh, --resume {args.resume} continues a checkpoint: to continue it in "
-                        "a folder that holds another run, choose an empty --output-dir instead")
-    return problems
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    problems = argument_problems(args)
-    if problems:
-        raise UserError(problems[0])
-    return args
-
-
-def checked_start(argv: list[str] | None = None):
-    """Parse the arguments and run every check that needs no process group (see build.check_start)."""
-    from truneg import build, distributed
-    from truneg.run_config import RunConfig
-
-    distributed.adopt_launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from mpirun/srun, before anything reads them
-    cfg = RunConfig.from_args(parse_args(argv))
-    return cfg, build.check_start(cfg, distributed.launch_world_size())
+from truneg.errors import exit_on_user_error  # noqa: E402  (after the sys.path line above)
+from truneg.model.pretrainers import architecture  # noqa: E402
+from truneg.train import build, checkpoint, distributed, loop, run_dir  # noqa: E402
+from truneg.train.export import save_hf_configs  # noqa: E402
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from truneg import build, checkpoint, distributed, loop, run_dir
-    from truneg.export import save_hf_configs
-    from truneg.models import architecture
-
     # 1. Checks that need no process group: the DeepSpeed config for this world size, the resume point,
     #    the synonym table, and the corpus (prepared once per node, before any collective could time out).
-    cfg, start = checked_start(argv)
+    cfg, start = build.checked_start(argv)
 
     # 2. Processes: one per device, gloo on the CPU; every node must see the same output folder.
     rank, world_size = distributed.init_distributed()
@@ -184,6 +60,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
     # The process's end, not main's: benchmarks and tests call main() several times in one process group.
-    from truneg.distributed import shutdown
-
-    shutdown()
+    distributed.shutdown()

@@ -1,0 +1,158 @@
+"""Masking with static shapes: an exact count per sequence, the schemes' shares, purity, and the batch layout."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from conftest import positions_from_labels
+
+from truneg.data.blocks import ResumableSampler, load_tokenizer
+from truneg.data.masking import MaskedBatches, default_max_predictions, mask_tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def masked(tokenizer, rows, scheme="bert", seed=1, epoch=0, indices=None, max_predictions=20):
+    indices = np.arange(len(rows)) if indices is None else indices
+    return mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme,
+                       seed=seed, epoch=epoch, indices=indices, max_predictions=max_predictions)
+
+
+def test_default_max_predictions_follow_bert_recipes(tokenizer):
+    assert default_max_predictions(128) == 20 and default_max_predictions(512) == 80
+    # the shortest sequence the tools accept, [CLS] w [SEP]: its one word masked, in as many slots as positions
+    batch = masked(tokenizer, np.array([[tokenizer.cls_token_id, 2000, tokenizer.sep_token_id]]),
+                   max_predictions=default_max_predictions(3))
+    assert batch["masked_positions"].tolist() == [[1, 0, 0]] and batch["masked_valid"].tolist() == [[True, False, False]]
+
+
+@pytest.mark.parametrize("scheme,mask_share,random_share", [("bert", 0.8, 0.1), ("electra", 0.85, 0.0)])
+def test_exact_count_and_shares(tokenizer, scheme, mask_share, random_share):
+    rows = np.random.default_rng(0).integers(1000, 30000, (400, 128))
+    rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
+    rows[:5, 100:-1] = tokenizer.pad_token_id  # a few rows with fewer maskable tokens
+    batch = {k: v.numpy() for k, v in masked(tokenizer, rows, scheme).items()}
+    ids, positions, valid = batch["input_ids"], batch["masked_positions"], batch["masked_valid"]
+    assert positions.shape == valid.shape == (400, 20)
+    maskable = ~np.isin(rows, tokenizer.all_special_ids)
+    # BERT's create_pretraining_data: min(max_predictions, max(1, round(0.15 * maskable)))
+    expected = [min(20, max(1, int(round(0.15 * m)))) for m in maskable.sum(1)]
+    assert valid.sum(1).tolist() == expected
+    assert valid.sum(1)[:5].tolist() == [15] * 5 and valid.sum(1)[5] == 19
+    selected = np.zeros_like(rows, dtype=bool)
+    for b in range(400):
+        p = positions[b][valid[b]]
+        assert len(set(p.tolist())) == len(p) and (np.diff(p) > 0).all(), "unique and sorted within a row"
+        selected[b, p] = True
+    assert not (selected & ~maskable).any(), "special tokens are never selected"
+    assert (positions[~valid] == 0).all()
+    assert (batch["original_ids"] == rows).all() and (ids[~selected] == rows[~selected]).all()
+    was_masked = ids[selected] == tokenizer.mask_token_id
+    unchanged = ids[selected] == rows[selected]
+    assert abs(was_masked.mean() - mask_share) < 0.015
+    assert abs((~was_masked & ~unchanged).mean() - random_share) < 0.01
+
+
+def test_masking_is_a_pure_function_of_seed_epoch_index(tokenizer):
+    rows = np.random.default_rng(0).integers(1000, 30000, (4, 64))
+    a = masked(tokenizer, rows, indices=np.array([5, 6, 7, 8]), max_predictions=12)
+    b = masked(tokenizer, rows[::-1], indices=np.array([8, 7, 6, 5]), max_predictions=12)
+    for key in a:
+        assert torch.equal(a[key], b[key].flip(0)), "a sequence's mask does not depend on its batch position"
+    c = masked(tokenizer, rows, epoch=1, indices=np.array([5, 6, 7, 8]), max_predictions=12)
+    assert not torch.equal(a["masked_positions"], c["masked_positions"]), "a new epoch draws new masks"
+    same = masked(tokenizer, rows[[0, 0]], indices=np.array([5, 9]), max_predictions=12)
+    assert torch.equal(same["masked_positions"][0], a["masked_positions"][0]), "a sequence's mask is its index's"
+    assert not torch.equal(same["masked_positions"][0], same["masked_positions"][1]), "each index draws its own"
+
+
+def test_masked_batches_layout(tokenizer):
+    blocks = np.random.default_rng(0).integers(1000, 30000, (20, 16)).astype(np.int32)
+    batches = MaskedBatches(blocks, ResumableSampler(20, 4, 1, 0, 0), tokenizer, "electra", seed=0, max_predictions=4)
+    batch = next(batches)
+    assert set(batch) == {"input_ids", "original_ids", "masked_positions", "masked_valid"}
+    assert batch["masked_positions"].shape == (4, 4) and batch["masked_valid"].dtype == torch.bool
+
+
+def test_positions_from_labels_round_trip():
+    labels = torch.full((2, 6), -100)
+    labels[0, [1, 4]] = 7
+    labels[1, 2] = 9
+    positions, valid = positions_from_labels(labels, 3)
+    assert positions.tolist() == [[1, 4, 0], [2, 0, 0]] and valid.tolist() == [[True, True, False], [True, False, False]]
+
+
+def test_background_workers_give_the_same_batches_and_the_consumed_position(tokenizer):
+    """Workers read and mask ahead; the batches are those of the training thread, and the position a
+    checkpoint stores is the one after the last batch handed out, so a resume continues exactly there."""
+    blocks = np.random.default_rng(0).integers(1000, 30000, (40, 16)).astype(np.int32)
+
+    def take(workers, n, state=None):
+        sampler = ResumableSampler(40, 4, 1, 0, seed=3)
+        if state:
+            sampler.load_state_dict(state)
+        batches = MaskedBatches(blocks, sampler, tokenizer, "bert", seed=0, max_predictions=4, workers=workers)
+        return [next(batches) for _ in range(n)], batches.position
+
+    inline, inline_position = take(0, 13)  # 10 micro-batches an epoch: crosses into the second
+    # what the workers pack into one buffer comes out as mask_tokens made it: keys, dtypes, shapes, values
+    epoch, indices = next(iter(ResumableSampler(40, 4, 1, 0, seed=3)))
+    direct = mask_tokens(blocks[indices], sorted(tokenizer.all_special_ids), tokenizer.mask_token_id, len(tokenizer),
+                         "bert", 0, epoch, indices, 4)
+    assert list(inline[0]) == list(direct)
+    assert all(inline[0][k].dtype == v.dtype and torch.equal(inline[0][k], v) for k, v in direct.items())
+    torch.manual_seed(0)
+    ahead, ahead_position = take(2, 13)
+    torch.manual_seed(0)
+    expected_draw = torch.rand(1)
+    torch.manual_seed(0)
+    take(2, 1)
+    assert torch.equal(torch.rand(1), expected_draw), "the workers leave the global torch RNG (dropout) alone"
+    assert inline_position == ahead_position == {"epoch": 1, "offset": 12}
+    for a, b in zip(inline, ahead):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # on another device (meta stands in for a GPU here): one copy, and every tensor of the batch is there
+    sampler = ResumableSampler(40, 4, 1, 0, seed=3)
+    moved = next(MaskedBatches(blocks, sampler, tokenizer, "bert", seed=0, max_predictions=4, device=torch.device("meta")))
+    assert {k: (v.device.type, v.dtype, v.shape) for k, v in moved.items()} == \
+        {k: ("meta", v.dtype, v.shape) for k, v in direct.items()}
+    resumed, _ = take(2, 7, state=ahead_position)
+    rest, _ = take(0, 20)
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(resumed, rest[13:]))
+
+
+def test_a_stop_signal_to_the_process_group_leaves_the_workers_feeding_the_rank(tmp_path):
+    """A scheduler signals the whole process group: the rank must still get its batches to finish the step
+    and save (its own handler only sets a flag), so the workers must not die of the signal."""
+    child = tmp_path / "rank.py"
+    child.write_text(textwrap.dedent("""
+        import multiprocessing, os, signal
+        import numpy as np
+        from truneg.data.blocks import ResumableSampler, load_tokenizer
+        from truneg.data.masking import MaskedBatches
+        if __name__ == "__main__":
+            multiprocessing.set_start_method("forkserver")  # Python 3.14's default on Linux: it must not matter
+            received = []
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda s, f: received.append(s))  # as truneg.train.loop.StopSignal
+            blocks = np.random.default_rng(0).integers(1000, 30000, (64, 16)).astype(np.int32)
+            batches = MaskedBatches(blocks, ResumableSampler(64, 4, 1, 0, seed=3), load_tokenizer(), "bert", seed=0,
+                                    max_predictions=4, workers=2)
+            next(batches), next(batches)  # one from each worker: both are running
+            os.killpg(0, signal.SIGTERM)
+            os.killpg(0, signal.SIGINT)
+            for _ in range(30):  # more than the workers had read ahead
+                next(batches)
+            print("signals", sorted(received))
+    """))
+    proc = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=120,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "signals [2, 15]" in proc.stdout, proc.stdout  # and it exits (its workers stopped) within the timeout

@@ -1,0 +1,232 @@
+"""Real 2-rank deepspeed launches: training, metrics, tensorboard, exact resume from a mid-run checkpoint, export."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    MAX_STEPS,
+    REPO,
+    cli_in_process,
+    comparable,
+    deepspeed_cmd,
+    free_port,
+    mid_run_copy,
+    read_metrics,
+    resume_and_match,
+    run,
+    train_args,
+)
+
+
+def test_two_rank_launch_trains_logs_and_checkpoints(runs):
+    out, proc = runs("electra-zero2")
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+    for key in ("loss", "gen_loss", "disc_loss", "sr_loss", "lr", "samples_per_sec", "tokens_per_sec",
+                "hc_iter_ratio", "hc_pred_ratio", "hc_corrected", "disc_accuracy", "mlm_accuracy",
+                "mlm_argmax_accuracy", "mlm_sampled_accuracy", "nonfinite_steps", "skipped_steps"):
+        assert key in records[-1], key
+    for r in records:  # ELECTRA's objective: the generator's MLM loss, 50 x the discriminator's, + SR (weight 1)
+        assert r["loss"] == pytest.approx(r["gen_loss"] + 50 * r["disc_loss"] + r["sr_loss"], rel=1e-5), r
+    for r in read_metrics(runs("bert-zero2")[0]):  # BERT's: MLM + SR
+        assert r["loss"] == pytest.approx(r["mlm_loss"] + r["sr_loss"], rel=1e-5), r
+    assert all(r["sr_loss"] > 0 for r in records)
+    assert all(0 <= r["hc_iter_ratio"] <= 1 and 0 <= r["hc_pred_ratio"] <= 1 for r in records)
+    first, last = sum(r["loss"] for r in records[:4]) / 4, sum(r["loss"] for r in records[-4:]) / 4
+    assert last < first * 0.9, (first, last)
+    assert records[-1]["samples"] == MAX_STEPS * 4 * 2  # two ranks really trained
+    tags = sorted(p.name for p in (out / "checkpoints").iterdir())
+    # --keep-checkpoints 2: global_step8 went once global_step24 was complete
+    assert tags == ["global_step16", "global_step24", "hf_config", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    shards = sorted(p.name for p in (out / "checkpoints" / "global_step24").iterdir())
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in shards and "truneg_rank00001.pt" in shards
+    assert "tensorboard --logdir" in proc.stdout
+    # the console line: step out of the total, loss, lr, samples/s, ETA, and HC's ratios
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(f"step {MAX_STEPS}/{MAX_STEPS} "))
+    for field in ("loss ", "lr ", "samples/s", "ETA ", "hc_iter_ratio ", "hc_pred_ratio "):
+        assert field in line, line
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    loss_events = events.Scalars("Train/Samples/loss")
+    assert [e.step for e in loss_events] == [r["samples"] for r in records]
+    assert [round(e.value, 4) for e in loss_events] == [round(r["loss"], 4) for r in records]
+    assert "Train/Samples/hc_iter_ratio" in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("case", ["bert-zero3", "electra-zero3"])
+def test_resume_from_a_mid_run_checkpoint_gives_bitwise_equal_losses(case, runs, tmp_path, launch_env, small_corpus,
+                                                                     frequent_table):
+    """The reference run's folder as it stood at its step-16 checkpoint, resumed: the records it had after that
+    step are dropped, and steps 17-24 come out bitwise equal to the uninterrupted run's, HC's corrections
+    included. (BERT at ZeRO-2, with masking in a DataLoader worker, is resumed so by two processes started as
+    mpirun starts them: test_distributed.)"""
+    reference_dir, _ = runs(case)
+    reference = comparable(read_metrics(reference_dir))
+    out = tmp_path / "run"
+    resumed_from = mid_run_copy(reference_dir, out)
+    # HC is live in these runs (their table corrects frequent words), in the steps trained again too: the resume
+    # must give the same corrections
+    assert sum(r["hc_corrected"] for r in reference if r["step"] > resumed_from) > 0, reference
+    assert all(0 <= r["hc_iter_ratio"] <= 1 and 0 <= r["hc_pred_ratio"] <= 1 for r in reference)
+    resume_and_match(train_args(case, out, small_corpus, frequent_table), out, resumed_from, reference, launch_env)
+
+
+def test_export_round_trip_bert(runs, tmp_path):
+    from transformers import BertForMaskedLM
+
+    out, _ = runs("bert-zero2")
+    exported = tmp_path / "hf"
+    proc = cli_in_process("export", str(out / "checkpoints"), str(exported))
+    assert proc.returncode == 0, proc.stderr
+    model = BertForMaskedLM.from_pretrained(exported)
+    engine_weights = torch.load(out / "checkpoints" / "global_step24" / "mp_rank_00_model_states.pt",
+                                weights_only=False)["module"]
+    state = model.state_dict()
+    compared = 0
+    for key, value in engine_weights.items():
+        assert key.startswith("mlm.")
+        assert torch.equal(state[key[len("mlm."):]], value.float()), key
+        compared += 1
+    assert compared > 20
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(exported)) == 30522 and (exported / "vocab.txt").is_file()
+
+
+def test_export_writes_the_runs_own_tokenizer(runs, tmp_path):
+    """The tokenizer saved beside the run's configs, not bert-base-uncased's, goes with the weights."""
+
+    from transformers import AutoTokenizer
+
+    from truneg.train.export import TOKENIZER_DIR, export
+
+    out, _ = runs("bert-zero2")
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(out / "checkpoints", copy)
+    saved = copy / "hf_config" / TOKENIZER_DIR
+    assert (saved / "vocab.txt").read_text() == (REPO / "truneg" / "assets" / "vocab" / "vocab.txt").read_text()
+    vocab = (saved / "vocab.txt").read_text().splitlines()
+    vocab[2000], vocab[2001] = vocab[2001], vocab[2000]  # another vocab of the same size
+    (saved / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (saved / "tokenizer.json").unlink()
+    written = export(copy, tmp_path / "hf")
+    exported = AutoTokenizer.from_pretrained(written["mlm"])
+    assert exported.convert_ids_to_tokens([2000, 2001]) == [vocab[2000], vocab[2001]]
+    # an out_dir that is a file: one line (save_pretrained only logs it, and the copy of the vocab raised)
+    from truneg.errors import UserError
+
+    (tmp_path / "afile").write_text("keep me")
+    with pytest.raises(UserError, match="is a file; pass a folder"):
+        export(copy, tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_export_round_trip_electra_zero3(runs, tmp_path):
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining
+
+    from truneg.train.export import export
+
+    out, _ = runs("electra-zero3")
+    written = export(out / "checkpoints", tmp_path / "hf")
+    generator = ElectraForMaskedLM.from_pretrained(written["generator"])
+    discriminator = ElectraForPreTraining.from_pretrained(written["discriminator"])
+    # The checkpoint's own consolidation (DeepSpeed's checkpoint-folder script) is the reference.
+    script = out / "checkpoints" / "zero_to_fp32.py"
+    subprocess.run([sys.executable, str(script), str(out / "checkpoints"), str(tmp_path / "fp32")], check=True,
+                   capture_output=True, cwd=tmp_path)
+    reference = torch.load(next((tmp_path / "fp32").glob("*.bin")), weights_only=False)
+    models = {"generator": generator, "discriminator": discriminator}
+    for key, value in reference.items():
+        part, _, name = key.partition(".")
+        assert torch.equal(models[part].state_dict()[name], value), key
+    # and no exported weight is one from_pretrained made up: every one was compared (tied ones too)
+    for part, model in models.items():
+        assert set(model.state_dict()) == {k.partition(".")[2] for k in reference if k.startswith(part + ".")}, part
+    shared = "electra.embeddings.word_embeddings.weight"
+    assert torch.equal(generator.state_dict()[shared], discriminator.state_dict()[shared])
+    assert torch.equal(generator.generator_lm_head.weight, generator.electra.embeddings.word_embeddings.weight)
+
+
+def test_export_reads_the_bf16_recipes_checkpoints(tmp_path, launch_env, small_corpus):
+    """The bf16 recipes (bf16 at ZeRO-1, fp32 gradient accumulation) run DeepSpeed's BF16_Optimizer, whose
+    partitions zero_to_fp32 does not read. The exported weights are its fp32 masters: the same as DeepSpeed's
+    ds_to_universal takes out of them, and the bf16 weights the model ran with, rounded."""
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining
+
+    from truneg.train.checkpoint import convert_to_universal
+    from truneg.train.export import export
+
+    config = json.loads((REPO / "ds_configs" / "electra_small_a100_bf16_zero1.json").read_text())
+    cpu = json.loads((REPO / "ds_configs" / "cpu_zero2.json").read_text())
+    config.update(optimizer=cpu["optimizer"], scheduler=cpu["scheduler"])  # torch's AdamW: no GPU build here
+    (tmp_path / "bf16.json").write_text(json.dumps(config))
+    out = tmp_path / "bf16"
+    run(deepspeed_cmd(*train_args("electra-zero2", out, small_corpus), "--deepspeed_config", str(tmp_path / "bf16.json"),
+                      "--max-steps", "4", "--save-steps", "4", "--micro-batch-size", "2", port=free_port()), launch_env)
+    checkpoints = out / "checkpoints"
+    assert len(list((checkpoints / "global_step4").glob("bf16_zero_pp_rank_*_optim_states.pt"))) == 2
+    written = export(checkpoints, tmp_path / "hf")
+    models = {"generator": ElectraForMaskedLM.from_pretrained(written["generator"]).state_dict(),
+              "discriminator": ElectraForPreTraining.from_pretrained(written["discriminator"]).state_dict()}
+    universal = convert_to_universal(checkpoints, "global_step4") / "zero"
+    states = torch.load(checkpoints / "global_step4" / "mp_rank_00_model_states.pt", weights_only=False)
+
+    def exported(name: str) -> torch.Tensor:
+        part, _, key = name.partition(".")
+        return models[part][key]
+
+    optimized = [name for group in states["param_shapes"] for name in group]
+    for name in optimized:
+        assert torch.equal(exported(name), torch.load(universal / name / "fp32.pt", weights_only=False)["param"]), name
+    for name in [*optimized, *states["shared_params"]]:  # all of it, tied weights too: what the model ran with
+        assert torch.equal(exported(name).bfloat16(), states["module"][name]), name
+    # tied: the generator's embeddings are the discriminator's, and its LM head's weight is the word embeddings
+    assert len(optimized) > 20 and len(states["shared_params"]) == 6
+    for name, source in states["shared_params"].items():
+        assert torch.equal(exported(name), exported(source)), name
+
+
+def test_every_ds_config_is_valid_for_deepspeed():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from truneg.train.ds_config import resolve
+
+    configs = sorted((REPO / "ds_configs").glob("*.json"))
+    assert len(configs) >= 6
+    for path in configs:
+        config = DeepSpeedConfig(resolve(path, 1, 1000, Path("/tmp/unused"))[0])
+        raw = json.loads(path.read_text())
+        assert config.train_batch_size == config.train_micro_batch_size_per_gpu * config.gradient_accumulation_steps
+        stage = config.zero_optimization_stage
+        assert path.stem.endswith(f"zero{stage}")  # the file name says its ZeRO stage
+        if "v100" in path.name:
+            assert config.float16_config.enabled and config.float16_config.loss_scale == 0  # dynamic scaling
+            # LAMB only unpartitioned (ZeRO-0): DeepSpeed's ZeRO does not support FusedLamb
+            assert (raw["optimizer"]["type"], stage) in (("Lamb", 0), ("AdamW", 2))
+        if "bf16" in path.name:  # ZeRO-1 by default, ZeRO-3 kept for who needs it; fp32 gradient accumulation
+            assert config.bfloat16_config.enabled and stage in (1, 3) and config.grad_accum_dtype == "fp32"
+        if path.name.startswith("cpu"):
+            assert raw["optimizer"]["params"]["torch_adam"] is True
+        assert config.gradient_clipping > 0 and raw["scheduler"]["params"]["total_num_steps"] == "auto"
+
+
+def test_continued_pretraining_from_an_exported_checkpoint(runs, tmp_path, launch_env, small_corpus):
+    from truneg.train.export import export
+
+    out, _ = runs("bert-zero2")
+    exported = tmp_path / "hf"
+    export(out / "checkpoints", exported)
+    continued = tmp_path / "continued"
+    run(deepspeed_cmd(*train_args("bert-zero2", continued, small_corpus), "--max-steps", "2", "--init-from", str(exported),
+                      num_gpus=1, port=free_port()), launch_env)
+    fresh_first, trained_last = read_metrics(out)[0]["mlm_loss"], read_metrics(out)[-1]["mlm_loss"]
+    first = read_metrics(continued)[0]["mlm_loss"]
+    assert first < fresh_first - 1.0 and abs(first - trained_last) < 1.0, (fresh_first, trained_last, first)

@@ -1,0 +1,1 @@
+"""Cluster plumbing: hostfiles, the env file DeepSpeed's runners read, and `truneg preflight`."""

@@ -1,0 +1,1 @@
+"""Data: corpus reading, preparation into blocks, the memory-mapped blocks, masking."""

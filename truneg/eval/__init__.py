@@ -1,0 +1,1 @@
+"""Evaluation: false-negative statistics, GLUE, SQuAD, robustness and the ablation."""

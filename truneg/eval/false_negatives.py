@@ -1,0 +1,334 @@
+"""False-negative analysis of any checkpoint: the paper's Table 2 (ratios), Figure 3 and Table 1 (cases).
+
+A checkpoint's MLM (BERT's, or ELECTRA's generator) runs over a corpus with the training masking and a
+fixed seed; a masked position is a false negative when the prediction differs from the gold token and
+is its synonym (the HC test). Reported per checkpoint:
+- iteration level: the share of sequences with at least one false negative;
+- prediction level: the share of mismatched predictions that are false negatives.
+
+What a "sequence" is moves the iteration-level ratio (more masked positions, more chances), so the
+segmentation and the length are recorded with every row: `packed` blocks cut the token stream across
+lines and articles (as pre-training does here); `line` and `article` sequences never cross a line or
+an article (a long one becomes several sequences) and are padded with [PAD].
+"""
+from __future__ import annotations
+
+import csv
+import html
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM
+
+from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer, open_training_blocks
+from truneg.data.corpus import is_hf, resolve_text_files
+from truneg.data.masking import default_max_predictions, mask_tokens
+from truneg.errors import UserError
+from truneg.model.objectives import false_negative_counts, gumbel_max_sample, hard_correction
+from truneg.model.presets import load_pretrained
+from truneg.model.pretrainers import (
+    BertPretrainer,
+    ElectraPretrainer,
+    bert_masked_logits,
+    generator_masked_logits,
+)
+from truneg.train import checkpoint
+from truneg.train.export import load_parts, run_tokenizer_dir
+
+if TYPE_CHECKING:
+    from transformers import BertForMaskedLM, ElectraForMaskedLM, PreTrainedTokenizerBase
+
+    from truneg.synonyms.table import SynonymLookup, SynonymTable
+
+CSV_COLUMNS = ["checkpoint", "step", "segmentation", "seq_len", "sequences", "masked", "mismatched", "corrected",
+               "iter_ratio", "pred_ratio"]
+# WikiText's article titles are ` = Title = ` lines; sections are ` = = Section = = `.
+WIKITEXT_TITLE = re.compile(r"^\s*= [^=](.*[^=])? =\s*$")
+
+
+@dataclass
+class FnCounts:
+    checkpoint: str
+    step: int
+    segmentation: str = "packed"
+    seq_len: int = 0
+    sequences: int = 0
+    masked: int = 0
+    mismatched: int = 0
+    corrected: int = 0
+    sequences_corrected: int = 0
+
+    @property
+    def iter_ratio(self) -> float:
+        return self.sequences_corrected / self.sequences if self.sequences else 0.0
+
+    @property
+    def pred_ratio(self) -> float:
+        return self.corrected / self.mismatched if self.mismatched else 0.0
+
+    def row(self) -> dict:
+        return {**asdict(self), "iter_ratio": self.iter_ratio, "pred_ratio": self.pred_ratio}
+
+
+@dataclass
+class Case:
+    context: list[str]  # tokens of the sequence; the masked position holds the gold token
+    position: int
+    gold: str
+    pred: str
+    synonyms: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Segmentation
+# ---------------------------------------------------------------------------------------------------
+
+
+def text_segments(files: list[Path], segmentation: str) -> list[str]:
+    """The texts no sequence may cross: each non-blank line, or each article.
+
+    An article ends at the end of a file or where a WikiText article title (` = Title = `) begins;
+    a text without such titles is one article per file.
+    """
+    segments: list[str] = []
+    for path in files:
+        article: list[str] = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if segmentation == "line":
+                segments += [line] if line.strip() else []
+                continue
+            if WIKITEXT_TITLE.match(line) and article:
+                segments.append("\n".join(article))
+                article = []
+            if line.strip():
+                article.append(line)
+        if article:
+            segments.append("\n".join(article))
+    return segments
+
+
+def segment_sequences(segments: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> np.ndarray:
+    """[n, seq_len] int32: each segment's tokens in consecutive [CLS] .. [SEP] sequences, [PAD] after."""
+    body = seq_len - 2
+    encoded = tokenizer(segments, add_special_tokens=False, return_attention_mask=False,
+                        return_token_type_ids=False, verbose=False)["input_ids"]
+    pieces = [ids[start:start + body] for ids in encoded for start in range(0, len(ids), body)]
+    sequences = np.full((len(pieces), seq_len), tokenizer.pad_token_id, dtype=np.int32)
+    for row, piece in enumerate(pieces):
+        sequences[row, 0] = tokenizer.cls_token_id
+        sequences[row, 1:len(piece) + 1] = piece
+        sequences[row, len(piece) + 1] = tokenizer.sep_token_id
+    return sequences
+
+
+def open_sequences(data: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, segmentation: str) -> np.ndarray:
+    """The sequences fn-stats / fn-cases run over, for --segmentation packed | line | article."""
+    if seq_len < 8:
+        raise UserError(f"--seq-len {seq_len} is too short; use 128 or 512 (at least 8)")
+    if segmentation == "packed":
+        return open_training_blocks(data, tokenizer, seq_len)[0]
+    if any(is_hf(spec) for spec in data):
+        raise UserError(f"--segmentation {segmentation} reads text files; pass files, or use --segmentation packed "
+                        "for an hf: dataset")
+    sequences = segment_sequences(text_segments(resolve_text_files(data), segmentation), tokenizer, seq_len)
+    if len(sequences) == 0:
+        raise UserError(f"{', '.join(data)} holds no text to segment; give it some text")
+    return sequences
+
+
+def attention_mask_of(original: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """1 on real tokens, 0 on the [PAD] that ends a line or article sequence (packed blocks have none)."""
+    return (original != pad_id).long()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointRef:
+    label: str
+    step: int
+    path: Path
+    kind: str  # "hf" (a from_pretrained folder) or "truneg" (a tag of a truneg checkpoints folder)
+
+
+def discover_checkpoints(paths: list[str | Path]) -> list[CheckpointRef]:
+    """Each PATH: a truneg checkpoints folder (all its tags), one tag, or an exported HF MLM/generator."""
+    found: list[CheckpointRef] = []
+    for raw in paths:
+        path = Path(raw)
+        if (path / "generator" / "config.json").is_file():
+            found.append(CheckpointRef(str(path), -1, path / "generator", "hf"))
+        elif (path / "config.json").is_file():
+            found.append(CheckpointRef(str(path), -1, path, "hf"))
+        else:
+            try:
+                folder, tag = checkpoint.resolve(path)
+            except UserError:
+                raise UserError(f"{path} is neither a truneg checkpoints folder, a tag in one, nor an HF model folder "
+                                "(config.json); pass one of those") from None
+            tags = [tag] if tag else checkpoint.complete_tags(folder)
+            if not tags:
+                raise UserError(f"{folder} holds no complete checkpoint (a save in progress or cut short has no "
+                                f"{checkpoint.META_FILE}); pass a tag, or wait for the run's first save")
+            found.extend(CheckpointRef(f"{folder}/{t}", checkpoint.step_of_tag(t), folder / t, "truneg") for t in tags)
+    return found
+
+
+def checkpoints_tokenizer(refs: list[CheckpointRef]) -> PreTrainedTokenizerBase:
+    """The tokenizer the checkpoints were trained with: the one saved beside a truneg tag's configs, or in an
+    exported folder; bert-base-uncased's where none is saved. Checkpoints of different vocabularies are refused:
+    their ratios would not be comparable, and one would read the other's token ids."""
+    chosen, vocab, first = None, None, None
+    for ref in refs:
+        folder = run_tokenizer_dir(ref.path.parent) if ref.kind == "truneg" else ref.path
+        if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file()):
+            folder = Path(DEFAULT_TOKENIZER)
+        tokenizer = load_tokenizer(folder)
+        if vocab is None:
+            chosen, vocab, first = tokenizer, tokenizer.get_vocab(), ref.label
+        elif tokenizer.get_vocab() != vocab:
+            raise UserError(f"{ref.label} was trained with another vocabulary than {first}; analyse them apart, "
+                            "or pass --tokenizer to read both with one")
+    return chosen if chosen is not None else load_tokenizer(DEFAULT_TOKENIZER)
+
+
+def load_mlm(ref: CheckpointRef) -> BertForMaskedLM | ElectraForMaskedLM:
+    """The masked LM of a checkpoint: BertForMaskedLM, or ELECTRA's generator (ElectraForMaskedLM)."""
+    if ref.kind == "truneg":
+        parts, _ = load_parts(ref.path)
+        return parts.get("mlm") or parts["generator"]
+    architectures = load_pretrained(AutoConfig, ref.path, "checkpoint").architectures or []
+    if "BertForMaskedLM" in architectures:
+        return load_pretrained(BertForMaskedLM, ref.path, "checkpoint")
+    if "ElectraForMaskedLM" in architectures:
+        return load_pretrained(ElectraForMaskedLM, ref.path, "checkpoint")
+    raise UserError(f"{ref.path} holds a {architectures or 'model'} without an MLM head; pass a BERT MLM or an ELECTRA generator")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running the MLM
+# ---------------------------------------------------------------------------------------------------
+
+
+def evaluate(mlm: BertForMaskedLM | ElectraForMaskedLM, blocks: np.ndarray, tokenizer: PreTrainedTokenizerBase,
+             lookup: SynonymLookup, prediction: str = "default", seed: int = 0,
+             batch_size: int = 32, max_sequences: int | None = None, label: str = "", step: int = -1,
+             max_cases: int = 0, table: SynonymTable | None = None) -> tuple[FnCounts, list[Case]]:
+    """Mask each block as training would (seed, epoch 0, block index) and count the HC corrections."""
+    if blocks.shape[1] > mlm.config.max_position_embeddings:
+        raise UserError(f"--seq-len {blocks.shape[1]} is beyond the model's {mlm.config.max_position_embeddings} "
+                        f"positions ({label or 'the checkpoint'}); use {mlm.config.max_position_embeddings} or less")
+    is_bert = isinstance(mlm, BertForMaskedLM)
+    scheme, logits_of = ("bert", bert_masked_logits) if is_bert else ("electra", generator_masked_logits)
+    encoder = mlm.bert if is_bert else mlm.electra
+    if prediction == "default":  # what pre-training's HC judges: BERT's argmax, ELECTRA's generator sample
+        prediction = (BertPretrainer if is_bert else ElectraPretrainer).default_prediction
+    counts, cases = FnCounts(label, step), []
+    total = len(blocks) if max_sequences is None else min(max_sequences, len(blocks))
+    max_predictions = default_max_predictions(blocks.shape[1])
+    torch.manual_seed(seed)
+    mlm.eval()
+    with torch.no_grad():
+        for start in range(0, total, batch_size):
+            indices = np.arange(start, min(start + batch_size, total))
+            original = np.asarray(blocks[indices], dtype=np.int64)
+            batch = mask_tokens(original, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
+                                scheme, seed, 0, indices, max_predictions)
+            positions, valid = batch["masked_positions"], batch["masked_valid"]
+            gold = batch["original_ids"].gather(1, positions)
+            attention_mask = attention_mask_of(batch["original_ids"], tokenizer.pad_token_id)
+            hidden = encoder(input_ids=batch["input_ids"], attention_mask=attention_mask).last_hidden_state
+            logits = logits_of(mlm, hidden, positions)
+            pred = logits.argmax(-1) if prediction == "argmax" else gumbel_max_sample(logits)
+            corrected = hard_correction(gold, pred, lookup) & valid
+            for key, value in false_negative_counts(gold, pred, corrected, valid).items():  # the training metric's counter
+                setattr(counts, key, getattr(counts, key) + int(value))
+            if len(cases) < max_cases and corrected.any():
+                for row, slot in corrected.nonzero().tolist()[: max_cases - len(cases)]:
+                    gold_token = tokenizer.convert_ids_to_tokens(int(gold[row, slot]))
+                    context = original[row][original[row] != tokenizer.pad_token_id]  # a line/article sequence's [PAD] tail
+                    cases.append(Case(tokenizer.convert_ids_to_tokens(context.tolist()), int(positions[row, slot]),
+                                      gold_token, tokenizer.convert_ids_to_tokens(int(pred[row, slot])),
+                                      table.synonyms_of(gold_token) if table is not None else []))
+    return counts, cases
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------------------------------
+
+
+def format_table(results: list[FnCounts]) -> str:
+    header = f"{'checkpoint':<48} {'step':>7} {'segments':>12} {'seqs':>7} {'masked':>8} {'mismatch':>9} {'FN':>6} {'iter %':>7} {'pred %':>7}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        name = r.checkpoint if len(r.checkpoint) <= 48 else "..." + r.checkpoint[-45:]
+        segments = f"{r.segmentation}/{r.seq_len}"
+        lines.append(f"{name:<48} {r.step:>7} {segments:>12} {r.sequences:>7} {r.masked:>8} {r.mismatched:>9} {r.corrected:>6} "
+                     f"{100 * r.iter_ratio:>7.2f} {100 * r.pred_ratio:>7.3f}")
+    return "\n".join(lines)
+
+
+def write_stats(results: list[FnCounts], out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "fn_stats.csv", "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(r.row() for r in results)
+    (out / "fn_stats.json").write_text(json.dumps([r.row() for r in results], indent=2) + "\n", encoding="utf-8")
+    steps = [r.step if r.step >= 0 else i for i, r in enumerate(results)]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot(steps, [100 * r.iter_ratio for r in results], "o-", label="iteration level (% sequences)")
+    ax.plot(steps, [100 * r.pred_ratio for r in results], "s-", label="prediction level (% mismatches)")
+    ax.set_xlabel("training step" if all(r.step >= 0 for r in results) else "checkpoint")
+    ax.set_ylabel("false negatives (%)")
+    settings = sorted({f"{r.segmentation}, {r.seq_len} tokens" for r in results})
+    ax.set_title("False negatives met by the MLM" + (f" ({settings[0]})" if len(settings) == 1 else ""))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fn_stats.png", dpi=120)
+    plt.close(fig)
+    return {name: out / name for name in ("fn_stats.csv", "fn_stats.json", "fn_stats.png")}
+
+
+def _window(case: Case, width: int = 24) -> tuple[list[str], int]:
+    start = max(1, case.position - width)
+    tokens = [t for t in case.context[start: case.position + width + 1]]
+    return tokens, case.position - start
+
+
+def write_cases(cases: list[Case], out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    text_lines, rows = [], []
+    for number, case in enumerate(cases, 1):
+        tokens, at = _window(case)
+        plain = " ".join(tokens[:at] + [f"[{case.gold} -> {case.pred}]"] + tokens[at + 1:]).replace(" ##", "")
+        text_lines += [f"{number}. {plain}", f"   gold: {case.gold}   prediction: {case.pred}   "
+                       f"synonyms of gold: {', '.join(case.synonyms)}", ""]
+        marked = " ".join(html.escape(t) for t in tokens[:at]) + f" <mark>{html.escape(case.gold)}</mark> " + \
+            " ".join(html.escape(t) for t in tokens[at + 1:])
+        rows.append(f"<tr><td>{number}</td><td>{marked.replace(' ##', '')}</td><td>{html.escape(case.gold)}</td>"
+                    f"<td><b>{html.escape(case.pred)}</b></td><td>{html.escape(', '.join(case.synonyms))}</td></tr>")
+    (out / "cases.txt").write_text("\n".join(text_lines) + "\n", encoding="utf-8")
+    page = ("<!doctype html><html><head><meta charset='utf-8'><title>truneg false-negative cases</title><style>"
+            "body{font-family:sans-serif;margin:2em}td{border-bottom:1px solid #ddd;padding:.4em;vertical-align:top}"
+            "mark{background:#fd6}</style></head><body><h1>Corrected predictions (false negatives)</h1>"
+            f"<p>{len(cases)} cases: the gold token is highlighted in its context.</p><table><tr><th>#</th>"
+            "<th>context</th><th>gold</th><th>prediction</th><th>synonyms of gold</th></tr>"
+            + "".join(rows) + "</table></body></html>\n")
+    (out / "cases.html").write_text(page, encoding="utf-8")
+    return {"cases.txt": out / "cases.txt", "cases.html": out / "cases.html"}

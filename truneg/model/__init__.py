@@ -1,0 +1,1 @@
+"""Models: the presets, the BERT and ELECTRA pre-trainers and the paper's objectives."""

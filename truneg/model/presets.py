@@ -1,0 +1,106 @@
+"""Model presets (sizes of BERT and ELECTRA) and loading HF checkpoints with their pre-training heads."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+from truneg.errors import UserError
+
+VOCAB_SIZE = 30522
+MAX_POSITIONS = 512
+
+BERT_PRESETS = {
+    "bert-tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+# (discriminator, generator); the generator is 1/4 (small) or 1/3 (base) as wide, same depth, and
+# both share one embedding of `embedding_size`, as in the official ELECTRA.
+ELECTRA_PRESETS = {
+    "electra-tiny": (
+        dict(embedding_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
+        dict(embedding_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=1, intermediate_size=64),
+    ),
+    "electra-small": (
+        dict(embedding_size=128, hidden_size=256, num_hidden_layers=12, num_attention_heads=4, intermediate_size=1024),
+        dict(embedding_size=128, hidden_size=64, num_hidden_layers=12, num_attention_heads=1, intermediate_size=256),
+    ),
+    "electra-base": (
+        dict(embedding_size=768, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+        dict(embedding_size=768, hidden_size=256, num_hidden_layers=12, num_attention_heads=4, intermediate_size=1024),
+    ),
+}
+PRESETS = sorted(BERT_PRESETS) + sorted(ELECTRA_PRESETS)
+DEFAULT_PRESET = "electra-tiny"
+
+
+def is_electra(preset: str) -> bool:
+    return preset.startswith("electra")
+
+
+def check_preset(preset: str) -> None:
+    if preset not in PRESETS:
+        raise UserError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+
+
+SIZE_KEYS = ("hidden_size", "num_hidden_layers")  # what a preset and a checkpoint are matched on
+
+
+def preset_sizes(preset: str) -> dict:
+    """A preset's SIZE_KEYS (an ELECTRA preset's: its discriminator's)."""
+    spec = ELECTRA_PRESETS[preset][0] if is_electra(preset) else BERT_PRESETS[preset]
+    return {k: spec[k] for k in SIZE_KEYS}
+
+
+def is_electra_checkpoint(root: Path) -> bool:
+    """An ELECTRA checkpoint is a folder with generator/ and discriminator/ (as `truneg export` writes)."""
+    return (root / "discriminator" / "config.json").is_file()
+
+
+def matching_preset(root: Path) -> str | None:
+    """The preset whose sizes an --init-from checkpoint has, read from its config.json alone (no weights);
+    None when none matches or the config cannot be read."""
+    electra = is_electra_checkpoint(root)
+    try:
+        config = json.loads((root / "discriminator" / "config.json" if electra else root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return next((name for name in PRESETS if is_electra(name) == electra
+                 and all(config.get(k) == v for k, v in preset_sizes(name).items())), None)
+
+
+def common_config() -> dict:
+    # SDPA attention explicitly: flash / memory-efficient kernels on GPUs, and a graph dynamo traces whole.
+    return {"vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_POSITIONS, "type_vocab_size": 2,
+            "attn_implementation": "sdpa"}
+
+
+
+
+def load_pretrained(cls, path: str | Path, flag: str, **kwargs):
+    """`cls.from_pretrained(path)`; a damaged or mismatched folder (a weights file cut short, a weight of another
+    shape, a config that is not JSON) refused in one line that names the flag it came from."""
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise UserError(f"{flag} {path}: cannot load it ({str(err)[:300]}); export the checkpoint again, or pass "
+                        "another folder") from None
+
+
+def from_pretrained_with_head(cls, path: Path):
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"--init-from: {path} holds no HF model (config.json); pass an exported truneg folder "
+            "(with generator/ and discriminator/ for ELECTRA) or an HF model folder"
+        )
+    model, info = load_pretrained(cls, path, "--init-from", attn_implementation="sdpa", output_loading_info=True)
+    # A checkpoint of another class (a BertModel, a classifier) loads with its head missing, which HF only logs:
+    # pre-training would go on from a random head.
+    missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]
+    if missing:
+        raise UserError(f"--init-from: {path} lacks {len(missing)} weights of {cls.__name__} ({', '.join(missing[:3])}"
+                        f"{', ...' if len(missing) > 3 else ''}), which would start random; pass a checkpoint with the "
+                        "pre-training head (a BertForMaskedLM / BertForPreTraining, or `truneg export`'s folder)")
+    return model

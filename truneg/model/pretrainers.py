@@ -1,0 +1,312 @@
+"""The two pre-trainers (BERT MLM, ELECTRA generator + discriminator) built from HF classes.
+
+Each pre-trainer's forward takes a masked batch and returns `(loss, stats)`: the total loss and a dict
+of 0-d tensors (sums and counts, so they add up across ranks) that `metrics.py` turns into ratios.
+The MLM / generator head runs only at the masked positions.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import deepspeed
+import torch
+from torch import nn
+from transformers import BertConfig, BertForMaskedLM, ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
+
+from truneg.errors import UserError
+from truneg.model.objectives import (
+    DISCRIMINATOR_WEIGHT,
+    discriminator_loss,
+    false_negative_counts,
+    gumbel_max_sample,
+    hard_correction,
+    mlm_loss,
+    replaced_token_labels,
+    sentence_regularization,
+    soft_regularization,
+)
+from truneg.model.presets import (
+    BERT_PRESETS,
+    DEFAULT_PRESET,
+    ELECTRA_PRESETS,
+    SIZE_KEYS,
+    VOCAB_SIZE,
+    check_preset,
+    common_config,
+    from_pretrained_with_head,
+    is_electra,
+    is_electra_checkpoint,
+    preset_sizes,
+)
+from truneg.synonyms.table import SynonymLookup
+
+
+@dataclass
+class ObjectiveConfig:
+    hc_lookup: SynonymLookup | None = None
+    hc_prediction: str = "default"  # argmax | sample | default (BERT: argmax, ELECTRA: sample)
+    sr: str = "none"  # none | word | sent
+    sr_weight: float = 1.0
+    sr_sent_target: str = "masked"  # H_s of SR_Sent: the masked sentence (the MLM's own pass) | the original
+
+
+def gather_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """hidden [B, L, H] at positions [B, P] -> [B, P, H], by torch.gather (static shape, no host sync)."""
+    return hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+
+
+def bert_masked_logits(mlm: BertForMaskedLM, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """MLM logits [B, P, V] at the masked positions only: the head runs on B x P rows, not B x L."""
+    return mlm.cls(gather_positions(hidden, positions))
+
+
+def generator_masked_logits(generator: ElectraForMaskedLM, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return generator.generator_lm_head(generator.generator_predictions(gather_positions(hidden, positions)))
+
+
+def _correct(gold, pred, valid, lookup: SynonymLookup | None) -> torch.Tensor:
+    """HC's corrected mask over the valid slots (all False without HC)."""
+    if lookup is None:
+        return torch.zeros_like(valid)
+    return hard_correction(gold, pred, lookup) & valid
+
+
+def _fill(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`ids` with `values` written at the valid masked positions (padding slots rewrite what is there)."""
+    return ids.scatter(1, positions, torch.where(valid, values, ids.gather(1, positions)))
+
+
+class _Pretrainer(nn.Module):
+    """What the BERT and ELECTRA pre-trainers share: the objective's settings and soft regularization."""
+
+    default_prediction = "argmax"
+
+    def set_objective(self, objective: ObjectiveConfig) -> None:
+        self.objective, self.hc_lookup = objective, objective.hc_lookup
+        use_default = objective.hc_prediction == "default"
+        self.prediction = self.default_prediction if use_default else objective.hc_prediction
+        # SR reads the embedding matrix outside the embedding's own forward; ZeRO-3 must gather it.
+        deepspeed.zero.register_external_parameter(self, self.word_embeddings.weight)
+
+    def add_soft_regularization(self, loss: torch.Tensor, stats: dict, gold: torch.Tensor, pred: torch.Tensor,
+                                valid: torch.Tensor, sentence_pair: Callable[[], tuple]) -> torch.Tensor:
+        """loss + sr_weight * SR. `sentence_pair()` gives (H_p, H_s, attention mask), encoded only for SR_Sent."""
+        if self.objective.sr == "none":
+            return loss
+        if self.objective.sr == "word":
+            # [PAD]'s row is not trained through lookups and stays near zero, where the cosine's gradient grows
+            # like 1 / |row|: a predicted [PAD] is left out (the objective itself leaves out an exact zero row)
+            pad = self.word_embeddings.padding_idx
+            sr = soft_regularization(self.word_embeddings.weight, gold, pred, valid if pad is None else valid & (pred != pad))
+        else:
+            sr = sentence_regularization(*sentence_pair())
+        stats["sr_loss"] = sr.detach()
+        return loss + self.objective.sr_weight * sr
+
+
+class BertPretrainer(_Pretrainer):
+    """BertForMaskedLM trained by MLM at the masked positions, with optional HC and SR."""
+
+    scheme = "bert"
+
+    def __init__(self, mlm: BertForMaskedLM, objective: ObjectiveConfig):
+        super().__init__()
+        self.mlm = mlm
+        self.set_objective(objective)
+
+    @property
+    def word_embeddings(self) -> nn.Embedding:
+        return self.mlm.bert.embeddings.word_embeddings
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mlm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def masked_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return bert_masked_logits(self.mlm, hidden, positions)
+
+    def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
+                masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        gold = original_ids.gather(1, masked_positions)
+        hidden = self.encode(input_ids, attention_mask)
+        logits = self.masked_logits(hidden, masked_positions)
+        pred = logits.detach().argmax(-1) if self.prediction == "argmax" else gumbel_max_sample(logits)
+        corrected = _correct(gold, pred, masked_valid, self.hc_lookup)
+        loss = mlm_loss(logits, gold, masked_valid & ~corrected)
+        stats = {"mlm_loss": loss.detach(), **false_negative_counts(gold, pred, corrected, masked_valid)}
+
+        def sentence_pair():
+            # Section 5: "we fill the masked sentence s with the predicted tokens to have the predicted sentence
+            # s_p. Then s_p and s are fed to the Transformer encoder to have H_p and H_s", and SR_Sent "requires
+            # the extra calculation for the predicted sequence H_p". So by default H_s is the MLM forward's own
+            # encoding of the masked sentence, and only H_p costs a pass. Related Work speaks of "the predicted
+            # sentence and the original sentence": `--sr-sent-target original` encodes the unmasked original
+            # instead (a second extra pass). Gradients flow into both H_p and H_s, as the loss is written.
+            h_pred = self.encode(_fill(input_ids, masked_positions, masked_valid, pred), attention_mask)
+            if self.objective.sr_sent_target == "original":
+                return h_pred, self.encode(original_ids, attention_mask), attention_mask
+            return h_pred, hidden, attention_mask
+
+        return self.add_soft_regularization(loss, stats, gold, pred, masked_valid, sentence_pair), stats
+
+
+class ElectraPretrainer(_Pretrainer):
+    """ELECTRA: a small generator (MLM) feeds its Gumbel-max samples to the discriminator (RTD)."""
+
+    scheme = "electra"
+    default_prediction = "sample"
+
+    def __init__(self, generator: ElectraForMaskedLM, discriminator: ElectraForPreTraining, objective: ObjectiveConfig):
+        super().__init__()
+        # One embedding module (word, position, type and its LayerNorm) for both, and the generator's
+        # output layer tied to the word embeddings, as in the official ELECTRA.
+        generator.electra.embeddings = discriminator.electra.embeddings
+        generator.generator_lm_head.weight = discriminator.electra.embeddings.word_embeddings.weight
+        self.generator, self.discriminator = generator, discriminator
+        self.set_objective(objective)
+
+    @property
+    def word_embeddings(self) -> nn.Embedding:
+        return self.discriminator.electra.embeddings.word_embeddings
+
+    def masked_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return generator_masked_logits(self.generator, hidden, positions)
+
+    def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
+                masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        gold = original_ids.gather(1, masked_positions)
+        gen_hidden = self.generator.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        gen_logits = self.masked_logits(gen_hidden, masked_positions)
+        sample = gumbel_max_sample(gen_logits)
+        argmax = gen_logits.detach().argmax(-1)
+        pred = sample if self.prediction == "sample" else argmax
+        corrected = _correct(gold, pred, masked_valid, self.hc_lookup)
+        gen_loss = mlm_loss(gen_logits, gold, masked_valid & ~corrected)
+
+        # The discriminator always sees the sample; its HC relabelling is judged on the sample too.
+        disc_input = _fill(input_ids, masked_positions, masked_valid, sample)
+        corrected_sample = corrected if pred is sample else _correct(gold, sample, masked_valid, self.hc_lookup)
+        corrected_full = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, masked_positions, corrected_sample)
+        disc_labels = replaced_token_labels(disc_input, original_ids, corrected_full if self.hc_lookup is not None else None)
+        disc_hidden = self.discriminator.electra(input_ids=disc_input, attention_mask=attention_mask).last_hidden_state
+        disc_logits = self.discriminator.discriminator_predictions(disc_hidden)
+        disc_loss = discriminator_loss(disc_logits, disc_labels, attention_mask)
+        loss = gen_loss + DISCRIMINATOR_WEIGHT * disc_loss
+
+        active = torch.ones_like(disc_labels, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        stats = {
+            "gen_loss": gen_loss.detach(),
+            "disc_loss": disc_loss.detach(),
+            "disc_correct": (((disc_logits.detach() > 0).long() == disc_labels) & active).sum().float(),
+            "disc_tokens": active.sum().float(),
+            # the official ELECTRA logs both: masked_lm_accuracy (argmax) and sampled_masked_lm_accuracy
+            "mlm_argmax_correct": ((argmax == gold) & masked_valid).sum().float(),
+            "mlm_sampled_correct": ((sample == gold) & masked_valid).sum().float(),
+            **false_negative_counts(gold, pred, corrected, masked_valid),
+        }
+
+        def sentence_pair():
+            # ELECTRA's encoder is the discriminator, and it has already encoded the sentence filled with the
+            # generator's samples (s_p, with the sample as ELECTRA's prediction): H_p costs nothing. H_s is the
+            # discriminator's encoding of the original sentence, the one extra pass. (The masked sentence is
+            # not a discriminator input: the discriminator never sees [MASK].)
+            h_gold = self.discriminator.electra(input_ids=original_ids, attention_mask=attention_mask)
+            return disc_hidden, h_gold.last_hidden_state, attention_mask
+
+        return self.add_soft_regularization(loss, stats, gold, pred, masked_valid, sentence_pair), stats
+
+
+def build_pretrainer(
+    preset: str | None,
+    objective: ObjectiveConfig,
+    init_from: str | Path | None = None,
+    dropout: float | None = None,
+    vocab_size: int = VOCAB_SIZE,
+) -> BertPretrainer | ElectraPretrainer:
+    """A fresh model of a preset, or one continued from an HF checkpoint (`--init-from`).
+
+    `dropout` None keeps the checkpoint's own dropout (0.1 for a fresh model); `vocab_size` follows the
+    tokenizer, so that no id a smaller vocab cannot produce has a row. With `init_from`, `preset` None takes
+    the checkpoint's architecture, and a preset that contradicts it is refused.
+    """
+    if init_from:
+        model = _continued(preset, Path(init_from), objective)
+        rows = architecture(model)["vocab_size"]
+        if vocab_size > rows:  # masking would draw ids past the embedding table
+            raise UserError(f"the tokenizer has {vocab_size} tokens, --init-from's embeddings {rows} rows; pass "
+                            "--tokenizer the checkpoint's own tokenizer")
+        if dropout is not None:
+            set_dropout(model, dropout)
+        return model
+    preset = preset or DEFAULT_PRESET
+    check_preset(preset)
+    dropout = 0.1 if dropout is None else dropout
+    common = {**common_config(), "vocab_size": vocab_size,
+              "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    if not is_electra(preset):
+        return BertPretrainer(BertForMaskedLM(BertConfig(**common, **BERT_PRESETS[preset])), objective)
+    disc_sizes, gen_sizes = ELECTRA_PRESETS[preset]
+    discriminator = ElectraForPreTraining(ElectraConfig(**common, **disc_sizes))
+    generator = ElectraForMaskedLM(ElectraConfig(**common, **gen_sizes))
+    return ElectraPretrainer(generator, discriminator, objective)
+
+
+def _continued(preset: str | None, root: Path, objective: ObjectiveConfig) -> BertPretrainer | ElectraPretrainer:
+    electra = is_electra_checkpoint(root)
+    if preset is not None:
+        check_preset(preset)
+        if is_electra(preset) != electra:
+            raise UserError(f"--model {preset} contradicts --init-from {root}, which holds "
+                            f"{'an ELECTRA' if electra else 'a BERT'} checkpoint; drop --model or pass a matching preset")
+    if electra:
+        generator = from_pretrained_with_head(ElectraForMaskedLM, root / "generator")
+        discriminator = from_pretrained_with_head(ElectraForPreTraining, root / "discriminator")
+        model = ElectraPretrainer(generator, discriminator, objective)
+        config = discriminator.config
+    else:
+        model = BertPretrainer(from_pretrained_with_head(BertForMaskedLM, root), objective)
+        config = model.mlm.config
+    if preset is not None:
+        loaded, wanted = {k: getattr(config, k) for k in SIZE_KEYS}, preset_sizes(preset)
+        if loaded != wanted:
+            raise UserError(f"--model {preset} ({wanted['num_hidden_layers']} layers x {wanted['hidden_size']}) contradicts "
+                            f"--init-from {root} ({loaded['num_hidden_layers']} x {loaded['hidden_size']}); "
+                            "drop --model to train the checkpoint's own architecture")
+    # HF's from_pretrained returns its models in eval mode, and DeepSpeed's engine never calls train(): without
+    # this a continued run would pre-train with every dropout layer off
+    return model.train()
+
+
+def architecture(model: BertPretrainer | ElectraPretrainer) -> dict:
+    """What was built or loaded, for the run record: family, layers, width, vocab, dropout."""
+    config = model.mlm.config if isinstance(model, BertPretrainer) else model.discriminator.config
+    return {"family": model.scheme, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
+            "vocab_size": config.vocab_size, "dropout": config.hidden_dropout_prob}
+
+
+def set_dropout(model: nn.Module, p: float) -> None:
+    """Apply --dropout to every dropout layer and config of a loaded checkpoint."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "hidden_dropout_prob"):
+            config.hidden_dropout_prob = config.attention_probs_dropout_prob = p
+
+
+def decays(name: str) -> bool:
+    """BERT's and ELECTRA's rule: weight decay on every parameter but biases and LayerNorm weights."""
+    return not (name.endswith("bias") or "LayerNorm" in name)
+
+
+def parameter_groups(model: nn.Module) -> list[dict]:
+    """Pre-training's two groups (see `decays`): the first takes the config's weight_decay, the second 0."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (decay if decays(name) else no_decay).append(param)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+

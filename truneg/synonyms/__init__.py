@@ -1,0 +1,1 @@
+"""Synonym tables: the CSR table and its on-device lookup, its sources, WordNet's set-up."""

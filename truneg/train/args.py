@@ -1,0 +1,129 @@
+"""pretrain.py's arguments and their range checks, shared with `truneg preflight`."""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import deepspeed
+
+from truneg.data.blocks import DEFAULT_TOKENIZER, DEMO_CORPUS
+from truneg.errors import UserError, check_output_path, out_of_range
+from truneg.model.presets import (
+    DEFAULT_PRESET,
+    ELECTRA_PRESETS,
+    MAX_POSITIONS,
+    PRESETS,
+    check_preset,
+    is_electra_checkpoint,
+)
+
+USAGE = """Pre-train BERT (MLM) or ELECTRA (RTD) on DeepSpeed, with the paper's hard correction and soft regularization.
+
+    deepspeed truneg/pretrain.py                                  # electra-tiny on the shipped corpus
+    deepspeed --num_gpus 2 truneg/pretrain.py --model bert-tiny --hc wordnet --sr word
+    deepspeed --hostfile launch/hosts truneg/pretrain.py --model bert-large \\
+        --deepspeed_config ds_configs/bert_large_v100_fp16_zero2.json --train-data /data/corpus
+
+Output (under --output-dir): checkpoints/ (DeepSpeed's layout, `latest`), tensorboard/, metrics.jsonl.
+"""
+DEFAULT_OUTPUT_DIR = "runs/pretrain"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The pre-training arguments (shared with `truneg preflight`)."""
+    parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default: electra-tiny, or with --init-from "
+                        "the checkpoint's own architecture)")
+    parser.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)],
+                        help="text files, folders or globs (blank lines separate documents), or hf:NAME[:CONFIG][@SPLIT]#COLUMN")
+    parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--save-steps", type=int, default=100, help="0: no periodic checkpoints (benchmarks; a SIGTERM still saves)")
+    parser.add_argument("--log-steps", type=int, default=10)
+    parser.add_argument("--output-dir", type=Path, default=Path(DEFAULT_OUTPUT_DIR))
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--init-from", help="continue pre-training from an HF checkpoint folder")
+    parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in --output-dir, if any) | none | DIR")
+    parser.add_argument("--overwrite", action="store_true", help="start afresh in an --output-dir that holds another run")
+    parser.add_argument("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu")
+    parser.add_argument("--gradient-accumulation-steps", type=int, help="override gradient_accumulation_steps")
+    parser.add_argument("--lr", type=float, help="override the optimizer's (and the warmup's peak) learning rate")
+    parser.add_argument("--dropout", type=float,
+                        help="dropout of every layer (default: 0.1, or with --init-from the checkpoint's own)")
+    parser.add_argument("--hc", default="none", help="hard correction: none | wordnet | embedding | FILE.npz")
+    parser.add_argument("--hc-embeddings", help="for --hc embedding: a word2vec file or an HF model folder")
+    parser.add_argument("--hc-prediction", choices=["argmax", "sample", "default"], default="default",
+                        help="the prediction HC judges (default: argmax for BERT, the generator's sample for ELECTRA)")
+    parser.add_argument("--sr", choices=["none", "word", "sent"], default="none", help="soft regularization")
+    parser.add_argument("--sr-weight", type=float, default=1.0)
+    parser.add_argument("--sr-sent-target", choices=["masked", "original"],
+                        help="H_s of --sr sent for BERT: the masked sentence (the MLM's own pass, default) or the "
+                             "original (ELECTRA's discriminator never sees [MASK]: it always takes the original)")
+    parser.add_argument("--max-predictions", type=int,
+                        help="masked positions per sequence, at most (default: 15%% of --seq-len rounded up to 4: "
+                             "20 at 128, 80 at 512)")
+    parser.add_argument("--max-nonfinite-steps", type=int, default=10,
+                        help="stop after this many optimizer steps in a row skipped for non-finite losses (any precision)")
+    parser.add_argument("--cache-dir", type=Path, help="tokenized-corpus cache (default: $TRUNEG_CACHE or ~/.cache/truneg)")
+    parser.add_argument("--num-proc", type=int, help="tokenizer processes")
+    parser.add_argument("--data-workers", type=int,
+                        help="DataLoader workers that read and mask ahead (default: 2 on GPUs, 0 on CPU ranks)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed's engine.compile)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    parser.add_argument("--keep-checkpoints", type=int, default=0,
+                        help="keep only the newest N complete checkpoints (0: keep all)")
+    return deepspeed.add_config_arguments(parser)
+
+
+def _is_electra_run(args: argparse.Namespace) -> bool:
+    if args.init_from and Path(args.init_from).is_dir():
+        return is_electra_checkpoint(Path(args.init_from))
+    return (args.model or DEFAULT_PRESET) in ELECTRA_PRESETS
+
+
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """One line per argument out of range (shared with `truneg preflight`, which lists them all)."""
+    # (--micro-batch-size and --gradient-accumulation-steps are checked with the config's own values, in
+    # config.resolve_batch_sizes; --num-proc 0 means every CPU)
+    floors = {"seq_len": 1, "max_steps": 1, "log_steps": 1, "max_nonfinite_steps": 1, "save_steps": 0,
+              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0, "seed": 0}
+    problems = [f"--{name.replace('_', '-')} {problem}" for name, least in floors.items()
+                if getattr(args, name) is not None and (problem := out_of_range(getattr(args, name), least))]
+    if args.model is not None:
+        try:
+            check_preset(args.model)
+        except UserError as err:
+            problems.append(str(err))
+    if args.max_predictions is not None and not 1 <= args.max_predictions <= args.seq_len:
+        problems.append(f"--max-predictions {args.max_predictions} must be between 1 and --seq-len {args.seq_len}")
+    if args.seq_len > MAX_POSITIONS:
+        problems.append(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} "
+                        "or less")
+    if args.dropout is not None and (problem := out_of_range(args.dropout, 0, 1, high_open=True)):
+        problems.append(f"--dropout {problem}")
+    if args.lr is not None and (problem := out_of_range(args.lr, 0, low_open=True)):
+        problems.append(f"--lr {problem}")
+    if problem := out_of_range(args.sr_weight, 0):
+        problems.append(f"--sr-weight {problem}")
+    if args.cache_dir is not None:  # (--output-dir: preflight.path_problems)
+        try:
+            check_output_path(args.cache_dir, "--cache-dir")
+        except UserError as err:
+            problems.append(str(err))
+    if args.sr_sent_target is not None and _is_electra_run(args):
+        problems.append(f"--sr-sent-target {args.sr_sent_target} is for BERT: ELECTRA's --sr sent always encodes the "
+                        "original sentence (its discriminator never sees [MASK]); drop the flag")
+    if args.overwrite and args.resume not in ("auto", "none"):  # it would start afresh, the checkpoint unread
+        problems.append(f"--overwrite starts afresh, --resume {args.resume} continues a checkpoint: to continue it in "
+                        "a folder that holds another run, choose an empty --output-dir instead")
+    return problems
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    problems = argument_problems(args)
+    if problems:
+        raise UserError(problems[0])
+    return args

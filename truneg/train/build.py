@@ -1,0 +1,157 @@
+"""Building the run's parts: the data, the synonym lookup for HC, and the model on a DeepSpeed engine."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from truneg.data.blocks import ensure_prepared, load_tokenizer, open_prepared
+from truneg.errors import UserError
+from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, parameter_groups
+from truneg.synonyms.sources import build_from_embeddings, build_from_wordnet
+from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable, vocab_sha256
+from truneg.train import checkpoint, distributed
+from truneg.train.args import parse_args
+from truneg.train.checks import deepspeed_optimizer, resolve_config, start_problems
+from truneg.train.run_config import HC_SOURCES, RunConfig
+
+if TYPE_CHECKING:
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
+    from truneg.data.blocks import PreparedBlocks
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict:
+    """The DeepSpeed config as deepspeed.initialize gets it: the file (or the default for the preset and the
+    hardware), the batch split for this world size, the command-line overrides, and the checkpoint format
+    to load. The same checks as `truneg preflight`; rank 0 prints what was chosen."""
+    config, choices = resolve_config(cfg, world_size)
+    problems = start_problems(cfg, config, world_size)
+    if problems:
+        raise UserError(problems[0] if len(problems) == 1 else "; ".join(problems))
+    if os.environ.get("RANK", "0") == "0":
+        for line in choices:
+            print(f"truneg: {line}", flush=True)
+    if load_universal:
+        config.setdefault("checkpoint", {})["load_universal"] = True
+    return config
+
+
+@dataclass
+class Start:
+    """What the checks before any process group found: every later stage starts from it."""
+
+    ds_config: dict
+    tokenizer: PreTrainedTokenizerBase
+    table: SynonymTable | None
+    resume: checkpoint.ResumePoint | None
+    prepared: Path | None = None  # the prepared folder of --train-data, on each node's local rank 0
+
+
+# DeepSpeed's fused optimizers, built just in time (and loaded under a lock) by the op of this name.
+JIT_OPTIMIZER_OPS = {"FusedAdam": "fused_adam", "FusedLamb": "fused_lamb"}
+
+
+def checked_start(argv: list[str] | None = None) -> tuple[RunConfig, Start]:
+    """Parse pretrain.py's arguments and run every check that needs no process group (see check_start)."""
+    distributed.adopt_launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from mpirun/srun, before anything reads them
+    cfg = RunConfig.from_args(parse_args(argv))
+    return cfg, check_start(cfg, distributed.launch_world_size())
+
+
+def check_start(cfg: RunConfig, world_size: int) -> Start:
+    """Everything that needs no process group, before `deepspeed.init_distributed`: the DeepSpeed config for
+    this world size, the resume point, the tokenizer, the synonym table, and the corpus (prepared here on
+    each node's local rank 0: a collective would time out while a large corpus is tokenized). A mistake is
+    one line on every rank, before any rank waits on another."""
+    if get_accelerator().device_name() == "cpu":
+        distributed.refuse_stale_build_lock("deepspeed_shm_comm")  # gloo ranks load DeepSpeed's CPU comm op
+    else:
+        distributed.plain_cuda_arch_list()
+    fresh = cfg.resume == "none" or cfg.overwrite
+    resume = None if fresh else checkpoint.find_resume_point(cfg.resume, cfg.output_dir)
+    ds_config = deepspeed_config(cfg, world_size, load_universal=bool(resume and resume.universal(world_size)))
+    jit_op = JIT_OPTIMIZER_OPS.get(deepspeed_optimizer(ds_config)[0])
+    if jit_op and get_accelerator().device_name() != "cpu":
+        distributed.refuse_stale_build_lock(jit_op)  # built on each node on first use, in its node-local folder
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    table = synonym_table(cfg, tokenizer)
+    prepared = None
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        prepared = ensure_prepared(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
+    return Start(ds_config, tokenizer, table, resume, prepared)
+
+
+def open_blocks(cfg: RunConfig, start: Start) -> tuple[PreparedBlocks, dict]:
+    """The memory-mapped blocks on every rank, once each node's local rank 0 has prepared them (a collective).
+    Returns (blocks, the run-record entry naming the prepared data)."""
+
+    # Every rank learns where its node's local rank 0 found or made the folder: finding it again would plan
+    # the corpus on every rank (for an `hf:` dataset on the Hub, a request per rank and file at once).
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (socket.gethostname(), start.prepared and str(start.prepared)))
+    folder = start.prepared or next((Path(f) for host, f in found if host == socket.gethostname() and f), None)
+    if folder is None or not folder.is_dir():  # no local rank 0 on this host (an odd rank mapping)
+        folder = ensure_prepared(cfg.train_data, start.tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc,
+                                 prepare=False)
+    blocks = open_prepared(folder, start.tokenizer, cfg.seq_len)
+    return blocks, {"data": blocks.fingerprint}
+
+
+def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> SynonymTable | None:
+    """--hc none | wordnet | embedding | FILE.npz -> SynonymTable (or None)."""
+
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    if cfg.hc == "none":
+        return None
+    if cfg.hc == "wordnet":
+        shipped = SynonymTable.load(SHIPPED_WORDNET_TABLE) if SHIPPED_WORDNET_TABLE.is_file() else None
+        if shipped is not None and shipped.sha256 == vocab_sha256(tokens):
+            return shipped
+        table = build_from_wordnet(tokens)  # another vocab: about 3 s
+        if table.num_entries == 0:
+            raise UserError(f"--hc wordnet: no word of the vocab of --tokenizer {cfg.tokenizer} has a WordNet synonym in "
+                            "it, so HC would correct nothing; it needs whole words as tokens (WordPiece, as BERT's)")
+        return table
+    if cfg.hc == "embedding":
+        if not cfg.hc_embeddings:
+            raise UserError("--hc embedding needs --hc-embeddings (a word2vec file or an HF model folder)")
+        return build_from_embeddings(tokens, cfg.hc_embeddings)
+    if not cfg.hc.endswith(".npz"):
+        raise UserError(f"--hc {cfg.hc!r}: use {', '.join(HC_SOURCES)} or a FILE.npz built by `truneg synonyms build`")
+    return SynonymTable.load(cfg.hc, expect_tokens=tokens)
+
+
+def table_fingerprint(table: SynonymTable | None) -> str | None:
+    """The synonym table's content hash for the run record: a rebuilt table is another run."""
+    return None if table is None else table.content_sha256
+
+
+def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int) -> torch.nn.Module:
+    lookup = None if table is None else SynonymLookup(table)
+    objective = ObjectiveConfig(hc_lookup=lookup, hc_prediction=cfg.hc_prediction, sr=cfg.sr, sr_weight=cfg.sr_weight,
+                                sr_sent_target=cfg.sr_sent_target)
+    distributed.seed(cfg.seed)  # identical initial weights on every rank
+    return build_pretrainer(cfg.model, objective, cfg.init_from, cfg.dropout, vocab_size)
+
+
+def build_engine(cfg: RunConfig, model: torch.nn.Module, ds_config: dict) -> DeepSpeedEngine:
+    """deepspeed.initialize with two parameter groups (no weight decay on biases and LayerNorm)."""
+    groups = parameter_groups(model)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    except (AssertionError, ValueError, TypeError) as err:  # its parser, and a value of the wrong type in a section
+        # (betas as a string, ...) that reaches the optimizer it builds
+        raise UserError(f"DeepSpeed rejected the config ({type(err).__name__}): {str(err)[:300]}") from None
+    if cfg.compile:
+        # Static shapes (an exact number of masked positions, gathered): one graph, no recompiles.
+        engine.compile(compile_kwargs={"dynamic": False})
+    return engine

@@ -1,0 +1,236 @@
+"""The training loop: the trainer's small state, one optimizer step (`train_step`, which holds the
+micro-batches), and the loop that logs, checkpoints and stops cleanly on SIGTERM/SIGINT.
+
+Inside a step nothing waits on the host: the forward, the objectives and the metric sums stay on the
+device. Once per optimizer step, one small all-reduce carries the stop flag and the non-finite count.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from torch._dynamo.utils import counters
+
+from truneg.data.blocks import ResumableSampler
+from truneg.data.masking import MaskedBatches
+from truneg.errors import UserError
+from truneg.train import checkpoint
+from truneg.train.distributed import on_rank_zero, seed
+from truneg.train.ds_config import MONITORS
+from truneg.train.metrics import MetricsLogger
+from truneg.train.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
+    from truneg.data.blocks import PreparedBlocks
+
+# Fault injection for tests: a comma-separated list of optimizer steps whose loss becomes NaN on rank 0.
+INJECT_NONFINITE_ENV = "TRUNEG_INJECT_NONFINITE_STEPS"
+
+
+@dataclass
+class TrainState:
+    """Everything the loop mutates besides the engine (which holds model, optimizer, scheduler and step)."""
+
+    sampler: ResumableSampler
+    batches: MaskedBatches
+    metrics: MetricsLogger
+    rank: int
+    nonfinite_in_a_row: int = 0
+
+    def save(self, cfg: RunConfig, engine: DeepSpeedEngine, step: int) -> None:
+        """A collective. The data position goes with DeepSpeed's client state, the RNG states and the metric
+        accumulator per rank; then the oldest checkpoints beyond --keep-checkpoints go."""
+        client_state = {"step": step, "sampler": self.batches.position}
+        rank_state = {"rng": checkpoint.rng_state(), "metrics": self.metrics.state_dict()}
+        checkpoint.save(engine, cfg.checkpoint_dir, step, client_state, rank_state)
+        if cfg.keep_checkpoints > 0:
+            on_rank_zero(lambda: checkpoint.remove_old(cfg.checkpoint_dir, cfg.keep_checkpoints),
+                         f"remove old checkpoints in {cfg.checkpoint_dir}")
+
+
+def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks, tokenizer: PreTrainedTokenizerBase,
+                resume: checkpoint.ResumePoint | None, tag: str | None) -> TrainState:
+    """The state at the first step: fresh, or restored from `tag` (weights, optimizer, scheduler, step,
+    data position, RNG states and metric sums)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sampler = ResumableSampler(len(blocks), engine.train_micro_batch_size_per_gpu(), world_size, rank, cfg.seed,
+                               engine.gradient_accumulation_steps())
+    metrics = MetricsLogger(engine, cfg.output_dir, cfg.seq_len, rank)
+    seed(cfg.seed, rank)
+    if resume is not None:
+        client_state, rank_state = checkpoint.load(engine, resume.checkpoint_dir, tag, resume.saved_world_size)
+        sampler.load_state_dict(client_state["sampler"])
+        step = engine.global_steps
+        if rank_state is None:
+            print(f"truneg: warning: rank {rank} has no RNG state for world size {world_size} in the checkpoint; "
+                  "reseeding (the run continues, but not bitwise as on the old world size)", flush=True)
+            seed(cfg.seed, rank, step)
+        else:
+            checkpoint.set_rng_state(rank_state["rng"])
+            metrics.load_state_dict(rank_state["metrics"])
+        if rank == 0:
+            print(f"truneg: resumed from {resume.checkpoint_dir} at step {step}", flush=True)
+    # Records a killed run wrote after its last checkpoint (or before its first) are not history.
+    metrics.truncate_after(engine.global_steps)
+    metrics.purge_monitors_after(int(engine.global_samples))
+    batches = MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed, cfg.max_predictions,
+                            cfg.data_workers, device=engine.device)
+    return TrainState(sampler, batches, metrics, rank)
+
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag; the step's all-reduce shares it, and every rank saves and exits."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+
+def innermost_optimizer(engine: DeepSpeedEngine) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's ZeRO / bf16 / fp16 wrappers, each of which holds the next."""
+    inner = engine.optimizer
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    return inner
+
+
+class SkipGuard:
+    """Skips the update of an optimizer step whose gradients are not finite on some rank.
+
+    fp16's loss scaler and DeepSpeed's overflow check (bf16, and fp32 at ZeRO-1/2/3 through the grad norm)
+    skip such steps themselves, count them in `engine.skipped_steps` and hold the LR schedule; at fp32
+    ZeRO-0 nothing would. The guard sits on the innermost torch optimizer, so whichever way DeepSpeed wraps
+    it, a flagged step leaves the weights and the optimizer's moments untouched; the step counter advances,
+    and at fp32 ZeRO-0 the LR schedule too (DeepSpeed sees no overflow there)."""
+
+    def __init__(self, engine: DeepSpeedEngine):
+        inner = innermost_optimizer(engine)
+        self.skip = False
+        real_step = inner.step
+
+        def guarded_step(*args, **kwargs):
+            return None if self.skip else real_step(*args, **kwargs)
+
+        inner.step = guarded_step
+
+
+def backward_loss_scale(engine: DeepSpeedEngine) -> float:
+    """What train_step multiplies the loss by before `engine.backward`: fp16's current loss scale at ZeRO
+    stage 0, else 1. DeepSpeed 0.19's `engine.backward` scales the loss only for its ZeRO optimizers, while
+    the fp16 optimizers of stage 0 (FP16_Optimizer, FP16_UnfusedOptimizer: the LAMB recipe) divide every
+    gradient by the loss scale in their step (deepspeedai/DeepSpeed#8393, open): unscaled, the updates come
+    65,536 times too small, and smaller each time the scale grows. A host float: no sync.
+    `config.FP16_ZERO0_UNSCALED_DEEPSPEED` names the DeepSpeed versions this holds for."""
+    if engine.fp16_enabled() and isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return float(engine.optimizer.loss_scale)
+    return 1.0
+
+
+def _injected_nonfinite_steps() -> set[int]:
+    return {int(s) for s in os.environ.get(INJECT_NONFINITE_ENV, "").split(",") if s.strip()}
+
+
+def train_step(engine: DeepSpeedEngine, state: TrainState, stop: StopSignal, guard: SkipGuard,
+               inject: set[int]) -> tuple[bool, bool]:
+    """One optimizer step over gradient_accumulation_steps micro-batches. Returns (stop requested on some
+    rank, step skipped for a non-finite loss on some rank)."""
+    device = engine.device
+    micro_batches = engine.gradient_accumulation_steps()
+    nonfinite = torch.zeros((), device=device)
+    poison = engine.global_steps + 1 in inject and state.rank == 0
+    scale = backward_loss_scale(engine)  # changes only in engine.step()
+    for micro in range(micro_batches):
+        batch = next(state.batches)  # on the device
+        loss, stats = engine(**batch)
+        if poison:
+            loss = loss * float("nan")
+        finite = torch.isfinite(loss.detach())
+        nonfinite = nonfinite + (~finite).float()
+        engine.backward(loss * scale if scale != 1.0 else loss)
+        state.metrics.add(stats, loss, finite, engine.train_micro_batch_size_per_gpu())
+        if micro == micro_batches - 1:
+            # The step's one host sync: the stop flag and the non-finite count of every rank, before the update.
+            flags = torch.stack([nonfinite.new_tensor(1.0 if stop.received else 0.0), nonfinite])
+            dist.all_reduce(flags)
+            stop_requested, nonfinite_count = flags.tolist()
+            guard.skip = nonfinite_count > 0
+        engine.step()
+    return stop_requested > 0, nonfinite_count > 0
+
+
+def _console_line(step: int, total: int, record: dict, eta_s: float, hc: bool) -> str:
+    line = (f"step {step}/{total}  loss {record.get('loss', float('nan')):.4f}  lr {record['lr']:.2e}  "
+            f"{record['samples_per_sec']:.1f} samples/s  ETA {time.strftime('%H:%M:%S', time.gmtime(max(eta_s, 0)))}")
+    if hc:
+        line += f"  hc_iter_ratio {record['hc_iter_ratio']:.4f}  hc_pred_ratio {record['hc_pred_ratio']:.4f}"
+    if record["nonfinite_steps"]:
+        line += f"  nonfinite_steps {record['nonfinite_steps']}"
+    return line
+
+
+def compile_summary() -> str:
+    """What torch.compile made of the run: one graph and no break is the static step's goal; more graphs
+    mean recompiles (a guard failed), which cost time each."""
+    graphs, breaks = counters["stats"].get("unique_graphs", 0), sum(counters["graph_break"].values())
+    return f"compile: {graphs} graph(s), {breaks} graph break(s)"
+
+
+def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
+    stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
+    started, start_step = time.perf_counter(), engine.global_steps
+    state.metrics.interval_start = started  # the throughput counts training, not the start-up or a resume's load
+    step = start_step
+    while step < cfg.max_steps:
+        stop_requested, skipped = train_step(engine, state, stop, guard, inject)
+        step = engine.global_steps
+        # A non-finite loss, in any precision (fp16's scaler overflows are non-finite gradients of a finite loss,
+        # which DeepSpeed skips and counts in skipped_steps; a loss scale cannot bring a non-finite loss back).
+        if skipped:
+            state.nonfinite_in_a_row += 1
+            state.metrics.count_nonfinite()
+            if state.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                last = checkpoint.latest_tag(cfg.checkpoint_dir) or "none yet"
+                raise UserError(
+                    f"{state.nonfinite_in_a_row} non-finite losses in a row at step {step}; stopped. "
+                    f"The last good checkpoint ({last}) is intact: lower --lr or check the data, then resume"
+                )
+        else:
+            state.nonfinite_in_a_row = 0
+        if step % cfg.log_steps == 0 or step == cfg.max_steps:
+            record = state.metrics.log(step)
+            if state.rank == 0 and record:
+                eta = (cfg.max_steps - step) * (time.perf_counter() - started) / max(step - start_step, 1)
+                print(_console_line(step, cfg.max_steps, record, eta, hc=cfg.hc != "none"), flush=True)
+        # No checkpoint inside a run of skipped steps: `latest` stays the last good one.
+        saving = cfg.save_steps > 0 and (step % cfg.save_steps == 0 or step == cfg.max_steps) and not state.nonfinite_in_a_row
+        if saving:
+            state.save(cfg, engine, step)
+        if stop_requested:
+            if not saving:
+                state.save(cfg, engine, step)
+            if state.rank == 0:
+                print(f"truneg: stopped by signal at step {step}; checkpoint saved in {cfg.checkpoint_dir}. "
+                      "Run the same command to resume.", flush=True)
+            return
+    if state.rank == 0:
+        elapsed = time.perf_counter() - started
+        print(f"truneg: done, {engine.global_steps - start_step} steps in {elapsed:.0f} s\n"
+              f"  checkpoints: {cfg.checkpoint_dir} (resume: run the same command)\n"
+              f"  metrics:     {cfg.metrics_file}\n"
+              f"  tensorboard: tensorboard --logdir {cfg.output_dir / MONITORS['tensorboard']}", flush=True)
+        if cfg.compile:
+            print(f"truneg: {compile_summary()}", flush=True)
