@@ -1,4 +1,4 @@
-"""Checks a pre-training run must pass before it starts, shared by `truneg preflight` and pretrain.py.
+"""`truneg preflight`: check a pre-training run before launching it, on any machine that sees its files.
 
     truneg preflight --hostfile launch/hosts --deepspeed_config ds_configs/bert_large_v100_fp16_lamb_zero0.json \\
         --model bert-large --train-data /shared/corpus --output-dir /shared/runs/bl --max-steps 15625 [--gpu-arch sm70]

@@ -177,6 +177,7 @@ def _add_recipe(parser, epochs: int | None, epochs_help: str | None, max_seq_len
 
 
 def add_commands(commands) -> None:
+    _add_analysis(commands)
     finetune = commands.add_parser("finetune", help="fine-tune and evaluate an exported model").add_subparsers(
         dest="benchmark", required=True)
     exported = "an exported truneg folder or any HF BERT/ELECTRA folder"
@@ -211,7 +212,6 @@ def add_commands(commands) -> None:
     _add_scoring(add_sent, "default: the fine-tuning's, 384")
     add_sent.set_defaults(func=lambda args: _robustness_squad(args, "add-sent"))
 
-    _add_analysis(commands)
     _add_ablation(commands)
 
 
