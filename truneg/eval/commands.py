@@ -70,7 +70,7 @@ def _common(parser) -> None:
     parser.add_argument("--segmentation", choices=["packed", "line", "article"], default="packed",
                         help="packed: blocks cut across lines and articles, as pre-training packs them; line / "
                              "article: no sequence crosses a line / an article (WikiText ` = Title = ` or a file), "
-                             "padded. The paper's Table 2 does not say; see the README")
+                             "padded. The paper's Table 2 does not say; see docs/evaluation.md")
     parser.add_argument("--seed", type=int, default=0, help="masking and sampling seed")
     parser.add_argument("--prediction", choices=["default", "argmax", "sample"], default="default",
                         help="default: argmax for BERT, the generator's sample for ELECTRA (as in training)")
