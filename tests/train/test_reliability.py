@@ -33,6 +33,8 @@ from conftest import (
     wait_for,
 )
 
+from truneg.train import checkpoint
+
 
 def pretrain_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "truneg.pretrain", *args]
@@ -385,6 +387,14 @@ def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, l
     assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir))
 
 
+def tag_names(checkpoints: Path) -> set[str]:
+    """The tag folders a save has begun: not the `*.deleting` folder a save into an existing tag first renames
+    the old one to."""
+    if not checkpoints.is_dir():
+        return set()
+    return {p.name for p in checkpoints.glob("global_step*") if not p.name.endswith(checkpoint.DELETING_SUFFIX)}
+
+
 def test_repeated_kill_9_including_during_checkpoint_writes(runs, tmp_path, launch_env, small_corpus):
     """ELECTRA, ZeRO-2, reading a folder `truneg prepare` wrote: killed (SIGKILL, launcher and ranks at once)
     three times, twice as a checkpoint is being written (the first of a run started afresh, then the next) and
@@ -400,13 +410,13 @@ def test_repeated_kill_9_including_during_checkpoint_writes(runs, tmp_path, laun
     rng = random.Random(1234)
     kills = []
     for trial in range(3):
-        known = {p.name for p in checkpoints.glob("global_step*")} if checkpoints.is_dir() else set()
+        known = tag_names(checkpoints)
         port, log = free_port(), tmp_path / f"trial{trial}.log"
         proc = start(deepspeed_cmd(*args, port=port), launch_env, log)
         try:
             if trial < 2:  # during a checkpoint write: as soon as a new tag folder appears
                 hit = wait_for(lambda known=known, proc=proc: proc.poll() is not None or
-                               bool({p.name for p in checkpoints.glob("global_step*")} - known), timeout=240, interval=0.002)
+                               bool(tag_names(checkpoints) - known), timeout=240, interval=0.002)
             else:  # at a random moment of this launch's training: within a few steps of its first
                 hit = wait_for(lambda proc=proc, log=log: proc.poll() is not None or
                                re.search(r"^step \d+/", log.read_text(), re.M) is not None, timeout=240)
