@@ -51,7 +51,8 @@ def main() -> None:
         results[preset] = per_sample
         print(f"{preset:<14} {per_sample:>20.4f} {256 * per_sample:>17.2f}")
         if args.samples_per_sec and args.peak_tflops:
-            print(f"  MFU at {args.samples_per_sec} samples/s: {per_sample * args.samples_per_sec / args.peak_tflops:.1%}")
+            print(f"  MFU at {args.samples_per_sec} samples/s: "
+                  f"{per_sample * args.samples_per_sec / args.peak_tflops:.1%}")
     print("RESULT " + " ".join(f"{p.replace('-', '_')}_tflops_per_sample={v:.4f}" for p, v in results.items()))
 
 

@@ -62,7 +62,8 @@ def stage_info(mode: Mode, note: Summary, work: Path) -> bool:
             return False
         props = torch.cuda.get_device_properties(0)
         note(f"device: {props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
-             f"{torch.cuda.device_count()} visible; torch CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+             f"{torch.cuda.device_count()} visible; torch CUDA {torch.version.cuda}, cuDNN "
+             f"{torch.backends.cudnn.version()}")
     try:
         import nltk
 
@@ -117,7 +118,8 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
     ensure_prepared(str(CORPUS), load_tokenizer(), mode.seq_len)
     steps, save = int(os.environ.get("GPU_CHECK_RESUME_STEPS", 12)), 4  # more: how the tests make it outlast a timeout
     argv = common_args(mode, "electra-tiny", config, mode.resume_micro, mode.accum_cap)
-    argv += ["--max-steps", str(steps), "--save-steps", str(save), "--log-steps", "1", "--hc", "wordnet", "--sr", "word"]
+    argv += ["--max-steps", str(steps), "--save-steps", str(save), "--log-steps", "1", "--hc", "wordnet", "--sr",
+             "word"]
     ref_dir, killed_dir = work / "stage2" / "reference", work / "stage2" / "killed"
 
     def start(out: Path, log: str) -> subprocess.Popen:
@@ -161,7 +163,8 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
     has_cuda_rng = "accelerator" in rank_state["rng"]
     ok = compared > 0 and worst <= RESUME_TOLERANCE and (has_cuda_rng or mode.dry_run)
     note(f"  resume: {'PASS' if ok else 'FAIL'} killed after {tag}, resumed to step {steps}; max relative loss "
-         f"difference {worst:.2e} over {compared} losses of steps {resume_step + 1}-{steps} (limit {RESUME_TOLERANCE:g}); "
+         f"difference {worst:.2e} over {compared} losses of steps {resume_step + 1}-{steps} (limit "
+         f"{RESUME_TOLERANCE:g}); "
          f"accelerator RNG in the checkpoint: {'yes' if has_cuda_rng else 'no (CPU)' if mode.dry_run else 'NO'}")
     return ok
 

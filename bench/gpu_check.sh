@@ -10,9 +10,9 @@
 #   3. one BERT-large HC+SR step under torch.cuda.set_sync_debug_mode("warn"): host syncs per phase;
 #   4. BERT-large seq 128 bf16: ZeRO-1 vs ZeRO-3, with and without HC+SR, --compile for ZeRO-1 HC+SR (last);
 #      ELECTRA-base baseline and HC+SR: samples/s, MFU (989 TFLOP/s and a bf16 GEMM measured here), peak memory;
-#   5. (only when named in STAGES, and first) bench/gpu_zero_stages.py --host-bound --profile: is the step
-#      bound by the host? Its output goes to $OUT/zero_stages.log, its RATE/MEMORY/PROFILE/RESULT lines to the
-#      summary. Not in the CPU dry run (CUDA only).
+#   5. (only when named in STAGES, and first) bench/gpu_mfu.py, the one GPU call (docs/gpu-check.md): how far
+#      from 50 % MFU, and why. Its output goes to $OUT/gpu_mfu.log, its JSON lines to $OUT/gpu_mfu.jsonl, its
+#      RESULT line to the summary. Not in this script's CPU dry run (bench/gpu_mfu.py --cpu-dry-run has its own).
 # Stages 1-3 run side by side (they count, not time); stages 5 and 4 alone, after the fused optimizers' JIT
 # builds (started first, in the background: FusedAdam, and FusedLamb when stage 1 runs) have finished.
 # The next GPU session's calls: README, "GPU check".
@@ -144,23 +144,24 @@ run_stage() {  # run_stage N NAME DEFAULT_LIMIT_S SUBCOMMAND
     for f in "$WORK/stage$n"/*.log; do [ -f "$f" ] && { echo "----- $f"; cat "$f"; }; done; } >> "$LOG" 2>/dev/null
 }
 
-# Stage 5, when named: whether the host sets the pace (bench/gpu_zero_stages.py), alone and first.
+# Stage 5, when named: the one GPU call (bench/gpu_mfu.py), alone and first; its variants keep to its budget.
 case ",$STAGES," in *",5,"*)
   if [ $DRY = 1 ]; then
-    note "stage 5 zero-stages: SKIPPED (CUDA only: bench/gpu_zero_stages.py)"
+    note "stage 5 mfu: SKIPPED (CUDA only: bench/gpu_mfu.py; its own dry run is bench/gpu_mfu.py --cpu-dry-run)"
   else
     builds_done
-    limit=${STAGE5_TIMEOUT_S:-330}; [ "$limit" -gt "$(left)" ] && limit=$(left)
+    limit=${STAGE5_TIMEOUT_S:-540}; [ "$limit" -gt "$(left)" ] && limit=$(left)
     if [ "$limit" -lt 5 ]; then  # as run_stage: `timeout 0` would set no limit at all
-      note "stage 5 zero-stages: SKIPPED (the ${BUDGET_S} s budget is spent)"; echo SKIPPED > "$WORK/status.5"
+      note "stage 5 mfu: SKIPPED (the ${BUDGET_S} s budget is spent)"; echo SKIPPED > "$WORK/status.5"
     else
       t0=$SECONDS
-      OUT=$RESULTS timeout -s KILL "$limit" "$PY" bench/gpu_zero_stages.py --host-bound --profile > "$RESULTS/zero_stages.log" 2>&1
+      # its own budget a little inside the stage's limit, so that it writes its last line itself
+      OUT=$RESULTS BUDGET_S=$((limit - 10)) timeout -s KILL "$limit" "$PY" bench/gpu_mfu.py > "$RESULTS/gpu_mfu.log" 2>&1
       rc=$?
-      grep -E '^(RATE|MEMORY|PROFILE|RESULT) ' "$RESULTS/zero_stages.log" | sed 's/^/  /' >> "$SUMMARY"
+      grep -E '^RESULT ' "$RESULTS/gpu_mfu.log" | sed 's/^/  /' >> "$SUMMARY"
       result=$(verdict $rc "$limit" $((SECONDS - t0)))
       case $rc in 124|137) "$PY" bench/gpu_check.py locks --summary "$SUMMARY" --work "$WORK" $FLAG >> "$LOG" 2>&1 ;; esac
-      note "stage 5 zero-stages: $result in $((SECONDS - t0)) s (its log: $RESULTS/zero_stages.log)"
+      note "stage 5 mfu: $result in $((SECONDS - t0)) s (its log: $RESULTS/gpu_mfu.log, its records: $RESULTS/gpu_mfu.jsonl)"
       echo "$result" > "$WORK/status.5"
     fi
   fi ;;

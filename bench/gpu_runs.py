@@ -128,8 +128,12 @@ def run_pretrain(argv: list[str], output_dir: Path) -> Run:
         engines.append(result[0])
         return result
 
+    import torch.nn.functional as F
+
     error, start = None, time.perf_counter()
-    with patched(deepspeed, "initialize", initialize) as real_initialize:
+    # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear process-wide and leaves it there: a later run in this
+    # process (a compiled one: add(sparse, dense) in its backward) would run with ZeRO-3's linear
+    with patched(deepspeed, "initialize", initialize) as real_initialize, patched(F, "linear", F.linear):
         try:
             getattr(pretrain.main, "__wrapped__", pretrain.main)(argv + ["--output-dir", str(output_dir)])
         except UserError as err:
@@ -192,7 +196,8 @@ def start_memory_peak(cuda: bool = True) -> int:
 
 def common_args(mode: Mode, model: str, config: Path, micro: int, accum: int) -> list[str]:
     return ["--model", model, "--deepspeed_config", str(config), "--train-data", str(CORPUS),
-            "--seq-len", str(mode.seq_len), "--micro-batch-size", str(micro), "--gradient-accumulation-steps", str(accum)]
+            "--seq-len", str(mode.seq_len), "--micro-batch-size", str(micro), "--gradient-accumulation-steps",
+            str(accum)]
 
 
 def config_split(path: Path, world_size: int = 1) -> tuple[str, int, int]:

@@ -116,7 +116,8 @@ class _CpuSyncOps:
                 if packet in syncing or bool_index:
                     frame = next((f for f in reversed(traceback.extract_stack()[:-1])
                                   if "/torch/" not in f.filename and not f.filename.endswith("gpu_step.py")), None)
-                    sites[f"{packet.__name__} at {_short(frame.filename)}:{frame.lineno}" if frame else packet.__name__] += 1
+                    sites[f"{packet.__name__} at {_short(frame.filename)}:{frame.lineno}" if frame
+                          else packet.__name__] += 1
                 return func(*args, **(kwargs or {}))
 
         self.mode = Mode()
@@ -164,13 +165,15 @@ def stage_syncs(mode: Mode, note: Summary, work: Path) -> bool:
         note(f"  syncs: FAIL {run.error or 'the step did not run'}")
         return False
     how = "torch.cuda.set_sync_debug_mode" if counter.cuda else "CPU proxy: ATen ops that wait on the device"
-    note(f"  syncs ({model} HC+SR, {run.engine['precision']} ZeRO-{run.engine['zero']}, micro {mode.sync_micro}; {how}): "
+    note(f"  syncs ({model} HC+SR, {run.engine['precision']} ZeRO-{run.engine['zero']}, micro {mode.sync_micro}; "
+         f"{how}): "
          + ", ".join(f"{name} {n}" for name, n in counter.counts.items()))
     for name, sites in counter.where.items():
         if sites:
             note(f"    {name}: " + "; ".join(f"{site} x{n}" for site, n in sites.most_common(4)))
     ok = counter.counts["forward"] == 0 and counter.counts["backward"] == 0
-    note(f"  syncs: {'PASS' if ok else 'FAIL'} forward {counter.counts['forward']}, backward {counter.counts['backward']} (goal 0)")
+    note(f"  syncs: {'PASS' if ok else 'FAIL'} forward {counter.counts['forward']}, backward "
+         f"{counter.counts['backward']} (goal 0)")
     return ok
 
 
@@ -227,6 +230,9 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
         real_compile = DeepSpeedEngine.compile
         # Dynamo with the eager backend: the graph capture is checked, Inductor's minutes of C++ are not paid.
         DeepSpeedEngine.compile = lambda self, backend=None, **kw: real_compile(self, backend="eager", **kw)
+        from truneg.model import compile as model_compile
+
+        model_compile.BACKEND = "eager"  # --compile's default mode, layers
     rates: dict[str, float] = {}
     all_ok = True
     for variant, family, config_name, hc_sr, compiled in BENCH_VARIANTS:

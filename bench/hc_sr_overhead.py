@@ -44,7 +44,8 @@ def real_batch(tokenizer, batch: int, seq_len: int, scheme: str) -> dict[str, to
     text = (Path(__file__).resolve().parent.parent / "truneg/assets/corpus/austen_pride_and_prejudice.txt").read_text()
     ids = tokenizer(text[:200_000], add_special_tokens=False, verbose=False)["input_ids"]
     body = seq_len - 2
-    rows = np.array([[tokenizer.cls_token_id] + ids[i * body:(i + 1) * body] + [tokenizer.sep_token_id] for i in range(batch)])
+    rows = np.array([[tokenizer.cls_token_id] + ids[i * body:(i + 1) * body] + [tokenizer.sep_token_id] for i
+                     in range(batch)])
     return mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme, 0, 0,
                        np.arange(batch), default_max_predictions(seq_len))
 
@@ -97,7 +98,8 @@ def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup
     return {name: statistics.median(r) for name, r in ratios.items()}
 
 
-def own_operations_ms(model, batch: dict[str, torch.Tensor], lookup: SynonymLookup, repeats: int = 20) -> dict[str, float]:
+def own_operations_ms(model, batch: dict[str, torch.Tensor], lookup: SynonymLookup,
+                      repeats: int = 20) -> dict[str, float]:
     """Milliseconds of what HC and SR add to a step, timed alone on the batch's slots: HC's synonym lookup and
     mask; SR's lookup, cosine and backward, summed into a gradient the embedding already has."""
     gold = batch["original_ids"].gather(1, batch["masked_positions"])
@@ -134,7 +136,8 @@ def main() -> None:
     lookup = SynonymLookup(SynonymTable.load(SHIPPED_WORDNET_TABLE))
     by_preset = {preset: bench_preset(preset, args.batch, args.steps, lookup) for preset in args.presets.split(",")}
     ratios = by_preset.get("bert-base") or list(by_preset.values())[-1]
-    print(f"RESULT hc={ratios['hc']:.3f} sr={ratios['sr']:.3f} hc_sr={ratios['hc_sr']:.3f} sr_sent={ratios['sr_sent']:.3f}")
+    print(f"RESULT hc={ratios['hc']:.3f} sr={ratios['sr']:.3f} hc_sr={ratios['hc_sr']:.3f} "
+          f"sr_sent={ratios['sr_sent']:.3f}")
 
 
 if __name__ == "__main__":

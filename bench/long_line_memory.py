@@ -36,7 +36,8 @@ def measure(how: str, megabytes: int) -> dict:
     from truneg.data.blocks import load_tokenizer
 
     backend = load_tokenizer().backend_tokenizer
-    text = " ".join(p.read_text(encoding="utf-8", errors="replace").replace("\n", " ") for p in sorted(NOVELS.glob("*.txt")))
+    text = " ".join(p.read_text(encoding="utf-8", errors="replace").replace("\n", " ") for p
+                    in sorted(NOVELS.glob("*.txt")))
     line = (text * (1 + megabytes * 10**6 // len(text)))[:megabytes * 10**6]
     del text
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) back to the current RSS
@@ -65,7 +66,8 @@ def main() -> None:
         print(f"{how:>6}: {results[how]['tokens']} tokens, peak RSS +{results[how]['mib']:.0f} MiB", flush=True)
     same = results["whole"]["ids"] == results["sliced"]["ids"]
     print(f"RESULT sliced_vs_whole_peak={results['sliced']['mib'] / results['whole']['mib']:.3f} "
-          f"whole_mib={results['whole']['mib']:.0f} sliced_mib={results['sliced']['mib']:.0f} same_ids={str(same).lower()}")
+          f"whole_mib={results['whole']['mib']:.0f} sliced_mib={results['sliced']['mib']:.0f} "
+          f"same_ids={str(same).lower()}")
 
 
 if __name__ == "__main__":

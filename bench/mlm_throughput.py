@@ -3,8 +3,8 @@
 
     python bench/mlm_throughput.py [--sizes tiny,small,base] [--batch 8] [--steps 12]
 
-Both steps: forward, loss, backward, AdamW step, zero_grad (in place, for both). The two run alternately, so drift of the
-machine hits both alike. Last line: RESULT speedup=<bert-base ratio> (HF step time / truneg step time).
+Both steps: forward, loss, backward, AdamW step, zero_grad (in place, for both). The two run alternately, so drift of
+the machine hits both alike. Last line: RESULT speedup=<bert-base ratio> (HF step time / truneg step time).
 """
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def bench_size(name: str, batch_size: int, steps: int) -> float:
                 (hf_times if who == "hf" else our_times).append(seconds)
     hf_ms, our_ms = 1e3 * statistics.median(hf_times), 1e3 * statistics.median(our_times)
     masked = int(batch["masked_valid"].sum())
-    print(f"{name:<6} {hf_ms:>12.1f} {our_ms:>12.1f} {hf_ms / our_ms:>8.3f}   ({masked} of {batch_size * 128} positions masked)")
+    print(f"{name:<6} {hf_ms:>12.1f} {our_ms:>12.1f} {hf_ms / our_ms:>8.3f}   ({masked} of {batch_size * 128} "
+          "positions masked)")
     return hf_ms / our_ms
 
 
@@ -73,7 +74,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
-    print(f"batch {args.batch}, seq 128, {torch.get_num_threads()} threads, AdamW step included, median of {args.steps}")
+    print(f"batch {args.batch}, seq 128, {torch.get_num_threads()} threads, AdamW step included, "
+          f"median of {args.steps}")
     print(f"{'size':<6} {'HF full ms':>12} {'truneg ms':>12} {'speedup':>8}")
     ratios = {name: bench_size(name, args.batch, args.steps) for name in args.sizes.split(",")}
     print(f"RESULT speedup={ratios.get('base', list(ratios.values())[-1]):.3f}")

@@ -3,8 +3,8 @@
     python bench/synonym_table.py
 
 - build: cold, in a fresh process (imports, nltk's WordNet reader, the table), the fastest of 3 each, taking
-  turns: truneg's build of the default table (what `wn.synsets(word)` gives, lemmatised) and of the `--exact` one, against the
-  straightforward nltk build (`wn.synsets(word)` per word, parsing synsets lazily), which must give the
+  turns: truneg's build of the default table (what `wn.synsets(word)` gives, lemmatised) and of the `--exact` one,
+  against the straightforward nltk build (`wn.synsets(word)` per word, parsing synsets lazily), which must give the
   same number of entries as truneg's default;
 - load: the cached `.npz` (the paper's build took 5 s; the targets are <= 5 s and <= 0.1 s);
 - lookup: 1e6 (gold, pred) pairs, `torch.searchsorted` against `torch.isin`, one thread.

@@ -68,8 +68,10 @@ def worker(args) -> None:
         if step:
             times.append(time.perf_counter() - start)
     params, optimizer = model_state_bytes(engine)
-    record = {"stage": args.stage, "rank": dist.get_rank(), "params_mb": params / 2**20, "optimizer_mb": optimizer / 2**20,
-              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "step_ms": 1e3 * statistics.median(times)}
+    record = {"stage": args.stage, "rank": dist.get_rank(), "params_mb": params / 2**20,
+              "optimizer_mb": optimizer / 2**20,
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "step_ms": 1e3 * statistics.median(times)}
     with open(Path(args.out) / f"stage{args.stage}_rank{dist.get_rank()}.json", "w") as fh:
         json.dump(record, fh)
 

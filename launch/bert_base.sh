@@ -5,4 +5,4 @@
 #   OUTPUT=/shared/runs/bert_base INIT=/shared/ckpt/bert-base DATA=/shared/wiki-books HC=wordnet launch/bert_base.sh [extra flags]
 [ -f "$(dirname "$0")/common.sh" ] || { echo "truneg: error: $0 has no common.sh beside it: run the script where it lies in the repo (sbatch runs a copy: sbatch --wrap 'bash REPO/launch/SCRIPT.sh')" >&2; exit 2; }
 source "$(dirname "$0")/common.sh"
-continued bert-base bert_base_continued "an HF BERT-base checkpoint folder (e.g. bert-base-uncased)" "$@"
+continued bert-base bert_base_continued "an HF BERT-base checkpoint: a folder, or a hub name (bert-base-uncased)" "$@"

@@ -5,4 +5,4 @@
 #   OUTPUT=/shared/runs/bert_large INIT=/shared/ckpt/bert-large DATA=/shared/wiki-books HC=wordnet launch/bert_large.sh [extra flags]
 [ -f "$(dirname "$0")/common.sh" ] || { echo "truneg: error: $0 has no common.sh beside it: run the script where it lies in the repo (sbatch runs a copy: sbatch --wrap 'bash REPO/launch/SCRIPT.sh')" >&2; exit 2; }
 source "$(dirname "$0")/common.sh"
-continued bert-large bert_large_continued "an HF BERT-large checkpoint folder (e.g. bert-large-uncased)" "$@"
+continued bert-large bert_large_continued "an HF BERT-large checkpoint: a folder, or a hub name (bert-large-uncased)" "$@"

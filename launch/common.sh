@@ -16,7 +16,10 @@
 #   CONFIG    a config instead of the recipe's;  PREFLIGHT=0 skips the check;  LAUNCHER_ARGS  for deepspeed
 #   DATA      the corpus: a prepared folder (`truneg prepare`), or files, a folder or a glob
 #   HC, SR    the objectives (default none);  STEPS, KEEP  steps and checkpoints kept
-#   COMPILE=1 adds --compile (torch.compile; off by default: 0.92-0.96x on an H200, README "GPU check")
+#   INIT      the continued recipes' checkpoint: a folder or an HF hub name (ORG/NAME[@REVISION], passed unchanged);
+#             INIT_GENERATOR beside it for ELECTRA's public pair (INIT the discriminator)
+#   COMPILE=1 adds --compile (per-layer torch.compile; off by default: no GPU has measured it faster, and the
+#   whole-model compile measured 0.92-0.96x on an H200, docs/performance.md)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HOSTFILE="${HOSTFILE:-$REPO/launch/hosts}"
@@ -63,6 +66,12 @@ absolute() {  # a path as seen from here, for every node (DeepSpeed's runner cds
   case "$1" in /*|hf:*) echo "$1" ;; *) echo "$PWD/$1" ;; esac
 }
 
+checkpoint() {  # INIT: a folder, made absolute; or a model name of the HF hub (ORG/NAME[@REVISION], nothing of that
+  # name here), passed unchanged for each node to resolve through its HF cache
+  if "$PYTHON" -c 'import sys; from truneg.model.hub import is_hub_name; sys.exit(not is_hub_name(sys.argv[1]))' "$1"
+  then echo "$1"; else absolute "$1"; fi
+}
+
 recipe() {  # recipe STEM: the recipe's config for $GPU (fp16 ZeRO-2 for a V100, bf16 ZeRO-1 from an A100)
   "$PYTHON" -m truneg.train.ds_config recipe "$1" "$GPU"
 }
@@ -81,11 +90,13 @@ pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more f
 }
 
 continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's continued pre-training at seq 512
-  local model=$1 stem=$2 hint=$3 config
+  local model=$1 stem=$2 hint=$3 config init=()
   shift 3
   : "${INIT:?set INIT to $hint}"
   config="$(recipe "$stem")"  # assigned alone: set -e stops on its failure here, not inside an argument list
-  pretrain "$model" 512 "$config" 200000 5000 100 --init-from "$(absolute "$INIT")" "$@"
+  init=(--init-from "$(checkpoint "$INIT")")
+  if [ -n "${INIT_GENERATOR:-}" ]; then init+=(--init-generator "$(checkpoint "$INIT_GENERATOR")"); fi
+  pretrain "$model" 512 "$config" 200000 5000 100 "${init[@]}" "$@"
 }
 
 launch() {

@@ -10,9 +10,11 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -96,7 +98,8 @@ def small_corpus(tmp_path_factory) -> Path:
     path = root / "corpus" / "pride.txt"
     with locked(root / "corpus.lock"):
         if not path.is_file():
-            text = (REPO / "truneg" / "assets" / "corpus" / "austen_pride_and_prejudice.txt").read_text(encoding="utf-8")
+            novel = REPO / "truneg" / "assets" / "corpus" / "austen_pride_and_prejudice.txt"
+            text = novel.read_text(encoding="utf-8")
             path.parent.mkdir(exist_ok=True)
             path.write_text(text[:60_000], encoding="utf-8")
     return path
@@ -186,7 +189,8 @@ def train_args(case: str, out: Path, corpus: Path, table: Path | None = None) ->
         assert table is not None, f"{case} corrects with the frequent_table fixture's table: pass it"
         extra = tuple(str(table) if arg == FREQUENT_TABLE else arg for arg in extra)
     return ["--model", model, "--deepspeed_config", str(REPO / "ds_configs" / config), "--train-data", str(corpus),
-            "--seq-len", "64", "--micro-batch-size", "4", "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS),
+            "--seq-len", "64", "--micro-batch-size", "4", "--max-steps", str(MAX_STEPS), "--save-steps",
+            str(SAVE_STEPS),
             "--log-steps", "1", "--output-dir", str(out), "--hc", "wordnet", "--sr", "word", "--lr", "2e-3",
             "--keep-checkpoints", "2", *extra]
 
@@ -249,14 +253,16 @@ def runs(tmp_path_factory, launch_env, small_corpus, frequent_table):
             with locked(root / f"ref-{case}.lock"):
                 if not record.is_file():
                     shutil.rmtree(out, ignore_errors=True)  # a launch that failed in the other worker
-                    proc = run(deepspeed_cmd(*train_args(case, out, small_corpus, frequent_table), port=free_port()), env)
+                    proc = run(deepspeed_cmd(*train_args(case, out, small_corpus, frequent_table), port=free_port()),
+                               env)
                     # every rank ends its run with its process group destroyed: one left alive is what makes
                     # gloo abort a finished rank now and then (exit -6)
                     ends = sorted(re.findall(r"rank (\d+) at exit: process group (\w+)", proc.stdout))
                     assert ends == [("0", "destroyed"), ("1", "destroyed")], (case, ends)
                     record.write_text(json.dumps({"args": proc.args, "stdout": proc.stdout, "stderr": proc.stderr}))
             launched = json.loads(record.read_text())
-            cache[case] = (out, subprocess.CompletedProcess(launched["args"], 0, launched["stdout"], launched["stderr"]))
+            cache[case] = (out,
+                           subprocess.CompletedProcess(launched["args"], 0, launched["stdout"], launched["stderr"]))
         return cache[case]
 
     return get
@@ -272,18 +278,31 @@ LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
     "SLURM_NTASKS", "SLURM_PTY_PORT", *distributed.LOCAL_RANK_FALLBACKS}
 
 
-def started_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]]) -> tuple[list[int], list[str]]:
+def start_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]],
+                    logs: list[Path] | None = None) -> list[subprocess.Popen]:
     """One `python -u pretrain.py ARGV` per rank, each with only Open MPI's variables, as DeepSpeed's openmpi
     runner has mpirun start them (no launcher above them to stop one rank when another fails; no runner or node
-    launcher to pay for). Returns their exit codes and outputs."""
+    launcher to pay for). Their output goes to pipes, or to the files `logs` (readable while they run)."""
     env = {k: v for k, v in launch_env.items() if k not in LAUNCH_VARS}
     size = len(argv_of_rank)
-    procs = [subprocess.Popen([sys.executable, "-u", str(REPO / "truneg" / "pretrain.py"), *argv], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**env, "OMPI_COMM_WORLD_SIZE": str(size), "OMPI_COMM_WORLD_RANK": str(rank),
-                                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)})
-             for rank, argv in enumerate(argv_of_rank)]
+    procs = []
+    for rank, argv in enumerate(argv_of_rank):
+        output = open(logs[rank], "w") if logs else subprocess.PIPE  # the child keeps its own copy
+        try:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-u", str(REPO / "truneg" / "pretrain.py"), *argv], cwd=REPO, text=True,
+                stdout=output, stderr=subprocess.STDOUT,
+                env={**env, "OMPI_COMM_WORLD_SIZE": str(size), "OMPI_COMM_WORLD_RANK": str(rank),
+                     "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}))
+        finally:
+            if logs:
+                output.close()
+    return procs
+
+
+def started_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]]) -> tuple[list[int], list[str]]:
+    """start_as_mpirun's ranks, run to their end. Returns their exit codes and outputs."""
+    procs = start_as_mpirun(launch_env, port, argv_of_rank)
     try:
         outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     finally:  # a rank that hung must not outlive the test
@@ -292,6 +311,21 @@ def started_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]]
                 proc.kill()
                 proc.wait()
     return [proc.returncode for proc in procs], outputs
+
+
+def flip_tensor_byte(path: Path) -> None:
+    """One bit flipped in the middle of the largest tensor's bytes of a torch.save file (a zip of stored records):
+    the file still opens, and its zip directory and pickle are intact."""
+    with zipfile.ZipFile(path) as archive:
+        record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as handle:
+        handle.seek(record.header_offset + 26)  # the local header's name and extra-field lengths
+        name_length, extra_length = struct.unpack("<HH", handle.read(4))
+        offset = record.header_offset + 30 + name_length + extra_length + record.file_size // 2
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ 0x10]))
 
 
 def mid_run_copy(reference_dir: Path, out: Path) -> int:
@@ -366,3 +400,29 @@ def framed_blocks(stream, seq_len: int, cls_id: int, sep_id: int) -> list[list[i
     """The reference framing, written out plainly: [CLS], the next seq_len - 2 tokens, [SEP]; a short tail dropped."""
     body, stream = seq_len - 2, [int(t) for t in stream]
     return [[cls_id, *stream[start:start + body], sep_id] for start in range(0, len(stream) - body + 1, body)]
+
+
+def hub_snapshot(cache: Path, name: str, commit: str = "0" * 40) -> Path:
+    """A model's folder in an HF cache laid out as huggingface_hub's (models--ORG--NAME/snapshots/COMMIT, with
+    refs/main naming it), as a download leaves it; the caller saves the model into the returned folder."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    repo = cache / repo_folder_name(repo_id=name, repo_type="model")
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> Path:
+    """An empty HF cache, offline, for this process (huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE when it is
+    imported: its constants are patched) and for the processes it starts (the variables)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache

@@ -20,7 +20,8 @@ DEFERRED_IMPORTS = {
     "truneg.data.blocks": "transformers, for the tokenizer only (the `truneg` parsers import this module)",
     "truneg.data.corpus": "datasets and pyarrow, for `hf:` corpora only (seconds to import)",
     "truneg.train.ds_config": "torch: the launch scripts run `python -m truneg.train.ds_config` before each launch",
-    "truneg.cluster.hostfile": "deepspeed: the launch scripts run `python -m truneg.cluster.hostfile` before each launch",
+    "truneg.cluster.hostfile": "deepspeed: the launch scripts run `python -m truneg.cluster.hostfile` before each "
+                               "launch",
     "truneg.train.distributed": "mpi4py, an optional package that only mpirun/srun launches need",
     "truneg.eval.false_negatives": "matplotlib, for the plot only (its backend is chosen before pyplot's import)",
 }
@@ -51,7 +52,8 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             # `from truneg.train import checkpoint` imports the module truneg.train.checkpoint
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:

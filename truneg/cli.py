@@ -52,14 +52,36 @@ def _export(args) -> None:
         print(f"{part}: {folder}")
 
 
+def _verify(args) -> None:
+    from truneg.train import checkpoint, integrity
+
+    if args.tag:
+        checkpoint_dir, tag = Path(args.checkpoints), args.tag
+        if not (checkpoint_dir / tag).is_dir():
+            raise UserError(f"{checkpoint_dir / tag} does not exist; pass a checkpoints folder and one of its tags")
+    else:
+        checkpoint_dir, tag = checkpoint.resolve_tag(args.checkpoints)
+    found, has_manifest = integrity.verify_offline(checkpoint_dir / tag)
+    if not has_manifest:
+        print(f"truneg: warning: {checkpoint_dir / tag} has no {integrity.MANIFEST_FILE} (written before truneg "
+              "checksummed its checkpoints): its files were only opened, a changed byte is not found", file=sys.stderr)
+    for line in found:
+        print(f"truneg: error: {line}", file=sys.stderr)
+    if found:
+        sys.exit(2)
+    print(f"{checkpoint_dir / tag}: intact")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="truneg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="truneg", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     # The `deepspeed` launcher puts --local_rank=N before the command (`deepspeed -m truneg.cli finetune glue
     # ...`); the rank is read from LOCAL_RANK, as HF's Trainer does.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    syn = commands.add_parser("synonyms", help="build or inspect synonym tables").add_subparsers(dest="action", required=True)
+    syn = commands.add_parser("synonyms", help="build or inspect synonym tables").add_subparsers(dest="action",
+                                                                                                 required=True)
     build = syn.add_parser("build", help="build a CSR synonym table (.npz)")
     build.add_argument("--vocab", required=True, help="vocab.txt or a tokenizer folder")
     build.add_argument("--source", choices=["wordnet", "embedding", "tsv"], default="wordnet")
@@ -71,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     forms.add_argument("--exact", action="store_true",
                        help="WordNet: only synsets that list the word itself (no lemmatisation; symmetric)")
     forms.add_argument("--morphy", action="store_true",
-                       help="WordNet: synsets as wn.synsets(word) gives them, lemmatised (the default; kept for old scripts)")
+                       help="WordNet: synsets as wn.synsets(word) gives them, lemmatised (the default; kept for old "
+                            "scripts)")
     build.add_argument("--out", required=True, type=Path)
     build.set_defaults(func=_synonyms_build, output_paths=[("out", "--out", False)])
     show = syn.add_parser("show", help="print the synonyms of words")
@@ -85,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out_dir")
     exp.add_argument("--tokenizer", help="tokenizer folder to save beside the weights (default: the run's own)")
     exp.set_defaults(func=_export)
+
+    ver = commands.add_parser("verify", help="check a checkpoint's files against the checksums written at its save")
+    ver.add_argument("checkpoints", help="<output-dir>/checkpoints (its `latest` tag) or a tag folder in it")
+    ver.add_argument("--tag", help="the tag to check (default: the one `latest` names)")
+    ver.set_defaults(func=_verify)
 
     # preflight takes pretrain.py's arguments, parsed by truneg.cluster.preflight itself (see main)
     commands.add_parser("preflight", add_help=False,

@@ -79,7 +79,8 @@ def check_output_path(path: str | Path, flag: str, *, folder: bool = True) -> No
     where a folder is wanted (or a folder where a file is), or a file stands where one of its parents must be."""
     path = Path(path)
     if path.exists() and path.is_dir() != folder:
-        raise UserError(f"{flag} {path} is a {'file' if folder else 'folder'}; pass a {'folder' if folder else 'file'} path")
+        raise UserError(f"{flag} {path} is a {'file' if folder else 'folder'}; pass a {'folder' if folder else 'file'} "
+                        "path")
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():

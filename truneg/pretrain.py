@@ -38,17 +38,20 @@ def main(argv: list[str] | None = None) -> None:
     blocks, data_record = build.open_blocks(cfg, start)
 
     # 4. The model; then claim the output folder for this run (refuse to mix two runs in one folder).
-    model = build.build_model(cfg, start.table, vocab_size=len(start.tokenizer))
+    #    A hub name in --init-from is resolved by rank 0 first, then at its commit by each other node's local
+    #    rank 0 (downloading what that node's HF cache lacks), then read from the node's cache by the others.
+    init = build.locate_init(cfg)
+    model = build.build_model(cfg, start.table, vocab_size=len(start.tokenizer), init=init)
     identity = run_dir.run_identity(cfg, start.ds_config, {"architecture": architecture(model),
                                                            "synonym_table": build.table_fingerprint(start.table),
-                                                           **data_record})
+                                                           **data_record, **build.init_record(init)})
     run_dir.claim_output_dir(cfg, identity, rank)
     tag = checkpoint.prepare_universal(start.resume, world_size) if start.resume else None
 
     # 5. The DeepSpeed engine (ZeRO, precision, optimizer and scheduler from the config).
     engine = build.build_engine(cfg, model, start.ds_config)
     if rank == 0:
-        save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer)
+        save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer, resumed=start.resume is not None)
 
     # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states.
     state = loop.start_state(cfg, engine, blocks, start.tokenizer, start.resume, tag)

@@ -54,11 +54,13 @@ def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote
     user = tmp_path / ".deepspeed_env"
     user.write_text("# the cluster's NCCL settings\n#NCCL_DEBUG=INFO\n\nNCCL_SOCKET_IFNAME=^docker0,lo\nEMPTY=\n")
     shell = {"NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "ib0", "TORCH_NCCL_BLOCKING_WAIT": "1",
-             "CUDA_HOME": "/usr/local/cuda", "HOME": "/home/ann", "SECRET": "x"}
+             "CUDA_HOME": "/usr/local/cuda", "HOME": "/home/ann", "SECRET": "x", "HF_HUB_OFFLINE": "1"}
     path = tmp_path / "deepspeed_env"
     written = write_env_file(path, {"HF_HOME": "/shared/hf"}, carry_over=[user], forwarded=forwarded_env(shell))
-    # the shell's NCCL settings and CUDA_HOME, the file's lines over them (as in DeepSpeed's runner), no comment
-    assert written == {"CUDA_HOME": "/usr/local/cuda", "NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "^docker0,lo",
+    # the shell's NCCL settings, CUDA_HOME and HF_HUB_OFFLINE, the file's lines over them (as in DeepSpeed's runner),
+    # no comment
+    assert written == {"CUDA_HOME": "/usr/local/cuda", "HF_HUB_OFFLINE": "1", "NCCL_IB_HCA": "mlx5_0",
+                       "NCCL_SOCKET_IFNAME": "^docker0,lo",
                        "TORCH_NCCL_BLOCKING_WAIT": "1", "EMPTY": "", "HF_HOME": "/shared/hf"}
     runner = PDSHRunner.__new__(PDSHRunner)
     runner.exports = {}
@@ -87,7 +89,8 @@ def test_env_file_drops_comments_keeps_nccl_settings_and_refuses_what_the_remote
         write_env_file(tmp_path / "slurm_env", {}, carry_over=[], forwarded=forwarded_env(shell), launcher="slurm",
                        environ=shell, runner_exports=("PYTHON", "UCX", "NCCL"))
     # openmpi and the other MPI launchers start no shell: DeepSpeed's quotes would reach the ranks
-    with pytest.raises(UserError, match=r"NCCL_SOCKET_IFNAME=\^docker0,lo would reach the ranks mangled: DeepSpeed quotes"):
+    with pytest.raises(UserError,
+                       match=r"NCCL_SOCKET_IFNAME=\^docker0,lo would reach the ranks mangled: DeepSpeed quotes"):
         write_env_file(tmp_path / "mpi_env", {}, carry_over=[user], launcher="openmpi", environ=shell)
     assert not (tmp_path / "mpi_env").exists()
     # PATH's entries DeepSpeed would quote are left out for those launchers, but not the venv's bin (its ninja)
@@ -114,7 +117,8 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
     (tmp_path / ".deepspeed_env").write_text("HF_HOME=/shared/hf\nNLTK_DATA=/shared/nltk\nTRUNEG_CACHE=/old\n")
     hosts = tmp_path / "hosts"
     hosts.write_text("node-01 slots=8 max_slots=8  # the first\nnode-02 slots=8 max-slots=8\n")
-    hostfile.main([str(hosts), "--env-file", str(tmp_path / "run" / "deepspeed_env"), "--launcher-args=--launcher openmpi"])
+    hostfile.main([str(hosts), "--env-file", str(tmp_path / "run" / "deepspeed_env"),
+                   "--launcher-args=--launcher openmpi"])
     written = dict(line.split("=", 1) for line in (tmp_path / "run" / "deepspeed_env").read_text().splitlines())
     venv_bin = f"{sys.prefix}/bin"
     assert written == {"TRUNEG_CACHE": "/scratch/tok", "HF_HOME": "/shared/hf", "NLTK_DATA": "/shared/nltk",
@@ -169,7 +173,8 @@ def test_env_file_keeps_the_users_lines_over_defaults_and_carries_master_addr_an
     assert hostfile.check_hostfile(hosts) == {"node-01": 8, "node-02": 8}  # Open MPI's max_slots and a comment
     # --check-ssh goes where deepspeed's own ssh goes: its --ssh_port
     calls = []
-    monkeypatch.setattr(hostfile.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    monkeypatch.setattr(hostfile.subprocess, "run",
+                        lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
     assert hostfile.check_ssh(["node-01"], port=2222) == [] and calls[0][-4:] == ["-p", "2222", "node-01", "true"]
 
 
@@ -179,11 +184,14 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
     stub.chmod(0o755)
     env = {**{k: v for k, v in os.environ.items()
               if not k.startswith(("NCCL_", "TORCH_NCCL_", "CUDA_HOME", "MASTER_ADDR", "MASTER_PORT", "DS_ENV_FILE"))},
-           "DEEPSPEED": str(stub), "PREFLIGHT": "0", "DATA": str(tmp_path), "HOME": str(tmp_path), "PYTHON": sys.executable}
-    missing = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], env=env, capture_output=True, text=True)
+           "DEEPSPEED": str(stub), "PREFLIGHT": "0", "DATA": str(tmp_path), "HOME": str(tmp_path),
+           "PYTHON": sys.executable}
+    missing = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh")], env=env, capture_output=True,
+                             text=True)
     assert missing.returncode != 0 and "OUTPUT" in missing.stderr
     out = tmp_path / "runs" / "small"
-    done = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh"), "--seed", "3"], env={**env, "OUTPUT": str(out)},
+    done = subprocess.run(["bash", str(REPO / "launch" / "electra_small.sh"), "--seed", "3"],
+                          env={**env, "OUTPUT": str(out)},
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert f"DS_ENV_FILE={out}/deepspeed_env" in done.stdout
@@ -210,6 +218,16 @@ def test_launch_script_writes_the_env_file_into_the_users_output_folder(tmp_path
         assert f"--model {model} --seq-len {seq} --deepspeed_config {REPO}/ds_configs/{config} " in proc.stdout, script
         tail = "--compile --init-from /ckpt --seed 3" if seq == 512 else "--compile --seed 3"
         assert (REPO / "ds_configs" / config).is_file() and proc.stdout.rstrip().endswith(tail), proc.stdout
+    # INIT: a folder, made absolute for every node; a hub name (nothing of that name here) passed unchanged
+    (tmp_path / "ckpt").mkdir()
+    for init, given in (("ckpt", tmp_path / "ckpt"), ("google/bert_uncased_L-2_H-128_A-2@main",) * 2):
+        proc = subprocess.run(["bash", str(REPO / "launch" / "bert_base.sh")], capture_output=True, text=True,
+                              cwd=tmp_path, env={**env, "OUTPUT": str(out), "INIT": init})
+        assert proc.returncode == 0 and proc.stdout.rstrip().endswith(f"--init-from {given}"), proc
+    pair = {"INIT": "google/electra-base-discriminator", "INIT_GENERATOR": "google/electra-base-generator"}
+    proc = subprocess.run(["bash", str(REPO / "launch" / "electra_base.sh")], capture_output=True, text=True,
+                          cwd=tmp_path, env={**env, "OUTPUT": str(out), **pair})
+    assert proc.stdout.rstrip().endswith("--init-from {INIT} --init-generator {INIT_GENERATOR}".format(**pair)), proc
     # BERT-large from scratch with AdamW takes the GPU's recipe too; a GPU=... the scripts do not know: one line
     proc = subprocess.run(["bash", str(REPO / "launch" / "bert_large_scratch.sh")], capture_output=True, text=True,
                           env={**env, "OUTPUT": str(out), "GPU": "a100", "OPT": "adamw"})
@@ -306,10 +324,12 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     assert printed["checkpoint size"].startswith("4.7 GB") and printed["checkpoints kept"].startswith("3 of 7")
     assert not out.exists()  # nothing written
     lamb_zero2 = tmp_path / "lamb_zero2.json"
-    lamb_zero2.write_text(json.dumps({**json.loads((REPO / "ds_configs" / "bert_large_v100_fp16_lamb_zero0.json").read_text()),
+    lamb_zero2.write_text(json.dumps({**json.loads((REPO / "ds_configs"
+                                                    / "bert_large_v100_fp16_lamb_zero0.json").read_text()),
                                        "zero_optimization": {"stage": 2}}))
     bad = ["--hostfile", str(REPO / "launch" / "hosts"), "--gpu-arch", "sm70", "--model", "bert-large",
-           "--deepspeed_config", str(lamb_zero2), "--output-dir", "/tmp/node-local/run", "--train-data", str(tmp_path / "none")]
+           "--deepspeed_config", str(lamb_zero2), "--output-dir", "/tmp/node-local/run", "--train-data",
+           str(tmp_path / "none")]
     assert preflight.run(bad) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 3 and all(line.startswith("truneg: error: ") for line in errors)
@@ -327,7 +347,8 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     errors = capsys.readouterr().err.splitlines()
     assert [line.removeprefix("truneg: error: ") for line in errors] == [
         "--max-nonfinite-steps must be >= 1, not 0", "--save-steps must be >= 0, not -1",
-        "--max-predictions 999 must be between 1 and --seq-len 128", "--dropout must be a finite number >= 0 and < 1, not 1.5"]
+        "--max-predictions 999 must be between 1 and --seq-len 128",
+        "--dropout must be a finite number >= 0 and < 1, not 1.5"]
     # over several nodes with pdsh: no pdsh, and a glob each node's shell would expand on its own (`**` as `*`)
     monkeypatch.setenv("PATH", str(bare))
     (tmp_path / "corpus" / "a").mkdir(parents=True)
@@ -342,7 +363,8 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mpi4py" else real_find_spec(name, *a))
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("DS_ENV_FILE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -361,7 +383,8 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     real_run, ssh = subprocess.run, []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: real_run(cmd, **kw) if cmd[0] != "ssh"
                         else ssh.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
-    assert preflight.run([*glob, "--check-ssh", "--launcher-args=--launcher=slurm --ssh_port 2222 --include node-02@node-04"]) == 0, \
+    assert preflight.run([*glob, "--check-ssh",
+                          "--launcher-args=--launcher=slurm --ssh_port 2222 --include node-02@node-04"]) == 0, \
         capsys.readouterr().err
     assert [cmd[-4:] for cmd in ssh] == [["-p", "2222", node, "true"] for node in ("node-02", "node-04")], ssh
     # options the runner refuses (said) still give --check-ssh their port, on the hostfile's nodes
@@ -372,11 +395,13 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     monkeypatch.setattr(subprocess, "run", real_run)
     capsys.readouterr()
     # LAUNCHER_ARGS' node filters change the world size as deepspeed's runner applies them; one node needs no pdsh
-    for launcher_args, world, accumulation in (("--num_nodes=1 --num_gpus 4", "4", "128"), ("--num_nodes 2", "16", "32"),
+    for launcher_args, world, accumulation in (("--num_nodes=1 --num_gpus 4", "4", "128"),
+                                               ("--num_nodes 2", "16", "32"),
                                                ("--include node-02:0,1,2,3@node-04:4,5,6,7", "8", "64")):
         assert preflight.run([*argv, f"--launcher-args={launcher_args}"]) == 0, capsys.readouterr().err
         monkeypatch.setenv("PATH", str(stubs))
-        printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if not line.startswith("note"))
+        printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines()
+                       if not line.startswith("note"))
         assert printed["world size"] == world, launcher_args
         assert printed["gradient accumulation"] == accumulation and printed["global batch"] == "16384"
     assert preflight.run([*argv, "--launcher-args=--include node-02:0,1@node-04"]) == 2

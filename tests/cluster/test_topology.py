@@ -193,7 +193,8 @@ def test_two_nodes_on_loopback_train_checkpoint_and_resume(runs, tmp_path, launc
 
     nodes = launch_nodes(free_port())
     try:
-        assert wait_for(lambda: (out / "checkpoints" / "latest").is_file() or any(p.poll() is not None for p in nodes), 240)
+        assert wait_for(lambda: (out / "checkpoints" / "latest").is_file() or any(p.poll() is not None for p in nodes),
+                        240)
     finally:
         for proc in nodes:
             kill_group(proc, signal.SIGKILL)
@@ -219,9 +220,11 @@ def test_a_failed_rank_exit_code_passes_through_the_launchers(tmp_path, launch_e
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=1\n")
     script = subprocess.run(
-        ["bash", str(REPO / "launch" / "electra_small.sh"), "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json")],
+        ["bash", str(REPO / "launch" / "electra_small.sh"), "--deepspeed_config",
+         str(REPO / "ds_configs" / "cpu_zero2.json")],
         # PREFLIGHT=0: the rank itself, not the preflight, meets the missing corpus
-        env={**launch_env, "HOSTFILE": str(hostfile), "DATA": str(tmp_path / "no-corpus"), "OUTPUT": str(tmp_path / "out"),
+        env={**launch_env, "HOSTFILE": str(hostfile), "DATA": str(tmp_path / "no-corpus"),
+             "OUTPUT": str(tmp_path / "out"),
              "PREFLIGHT": "0",
              "PYTHON": sys.executable, "DEEPSPEED": str(Path(sys.executable).parent / "deepspeed"),
              "LAUNCHER_ARGS": f"--no_ssh --node_rank=0 --master_addr 127.0.0.1 --master_port {free_port()}"},

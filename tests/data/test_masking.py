@@ -30,7 +30,8 @@ def test_default_max_predictions_follow_bert_recipes(tokenizer):
     # the shortest sequence the tools accept, [CLS] w [SEP]: its one word masked, in as many slots as positions
     batch = masked(tokenizer, np.array([[tokenizer.cls_token_id, 2000, tokenizer.sep_token_id]]),
                    max_predictions=default_max_predictions(3))
-    assert batch["masked_positions"].tolist() == [[1, 0, 0]] and batch["masked_valid"].tolist() == [[True, False, False]]
+    assert batch["masked_positions"].tolist() == [[1, 0, 0]] and batch["masked_valid"].tolist() == [[True, False,
+                                                                                                     False]]
 
 
 @pytest.mark.parametrize("scheme,mask_share,random_share", [("bert", 0.8, 0.1), ("electra", 0.85, 0.0)])
@@ -86,7 +87,8 @@ def test_positions_from_labels_round_trip():
     labels[0, [1, 4]] = 7
     labels[1, 2] = 9
     positions, valid = positions_from_labels(labels, 3)
-    assert positions.tolist() == [[1, 4, 0], [2, 0, 0]] and valid.tolist() == [[True, True, False], [True, False, False]]
+    assert positions.tolist() == [[1, 4, 0], [2, 0, 0]] and valid.tolist() == [[True, True, False],
+                                                                               [True, False, False]]
 
 
 def test_background_workers_give_the_same_batches_and_the_consumed_position(tokenizer):
@@ -120,7 +122,8 @@ def test_background_workers_give_the_same_batches_and_the_consumed_position(toke
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # on another device (meta stands in for a GPU here): one copy, and every tensor of the batch is there
     sampler = ResumableSampler(40, 4, 1, 0, seed=3)
-    moved = next(MaskedBatches(blocks, sampler, tokenizer, "bert", seed=0, max_predictions=4, device=torch.device("meta")))
+    moved = next(MaskedBatches(blocks, sampler, tokenizer, "bert", seed=0, max_predictions=4,
+                               device=torch.device("meta")))
     assert {k: (v.device.type, v.dtype, v.shape) for k, v in moved.items()} == \
         {k: ("meta", v.dtype, v.shape) for k, v in direct.items()}
     resumed, _ = take(2, 7, state=ahead_position)

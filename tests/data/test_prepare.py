@@ -65,7 +65,8 @@ def assert_units_follow_stream(folder: Path, stream: np.ndarray, seq: int) -> No
 def test_blocks_equal_todays_packing_of_the_same_text(tmp_path, corpus, tokenizer):
     files = sorted(corpus.glob("*.txt"))
     stream = reference_stream(files, tokenizer, tmp_path)
-    one = open_prepared(prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "one", 1, progress=False), tokenizer, SEQ)
+    one = open_prepared(prepare.prepare(str(corpus), tokenizer, SEQ, tmp_path / "one", 1, progress=False), tokenizer,
+                        SEQ)
     expect = np.array(framed_blocks(stream, SEQ, tokenizer.cls_token_id, tokenizer.sep_token_id))
     assert one.shape == expect.shape and (one[np.arange(len(one))] == expect).all()
     # Several units: each unit is packed alone (its tail dropped), and the units' streams, end to end,
@@ -151,26 +152,11 @@ def test_parts_merged_equal_one_preparation(tmp_path, corpus, tokenizer):
     assert not (tmp_path / "shared" / "index.json").exists(), "a part alone is not a prepared folder"
     with pytest.raises(UserError, match="parts 1/3 are missing"):
         prepare.merge([tmp_path / "shared"], tmp_path / "merged")
-    merged = open_prepared(prepare.merge([tmp_path / "shared", tmp_path / "other"], tmp_path / "merged"), tokenizer, SEQ)
+    merged = open_prepared(prepare.merge([tmp_path / "shared", tmp_path / "other"], tmp_path / "merged"), tokenizer,
+                           SEQ)
     assert merged.fingerprint == whole.fingerprint and len(merged) == len(whole)
     assert (merged[np.arange(len(merged))] == whole[np.arange(len(whole))]).all()
     assert {**shard_bytes(tmp_path / "shared"), **shard_bytes(tmp_path / "other")} == shard_bytes(whole.folder)
-    # a part prepared before folders recorded the tokenizer probe merges with newer ones (checked on the vocab),
-    # and its committed shards count when a killed preparation is run again after the change
-    import json
-
-    old_part = tmp_path / "other" / "part-1-of-3.json"
-    record = json.loads(old_part.read_text())
-    del record["settings"]["tokenizer_probe"]
-    old_part.write_text(json.dumps(record))
-    merged = open_prepared(prepare.merge([tmp_path / "shared", tmp_path / "other"], tmp_path / "merged_old"))
-    assert merged.fingerprint == whole.fingerprint and "tokenizer_probe" not in merged.index
-    settings = prepare.plan(str(corpus), tokenizer, SEQ, unit_bytes=UNIT)[0]
-    shard_record = next((tmp_path / "other" / "shards").glob("*.json"))
-    committed = json.loads(shard_record.read_text())
-    shard_record.write_text(json.dumps({**committed, "settings": prepare.settings_key(prepare._before_probe(settings))}))
-    keys = prepare._settings_keys(settings)
-    assert prepare._committed(tmp_path / "other", committed["unit_spec"], settings, keys) is not None
 
 
 def test_parts_claiming_one_shared_folder_at_once_both_go_on(tmp_path, corpus, tokenizer, monkeypatch):
@@ -231,7 +217,8 @@ def test_hf_rows_reach_the_tokenizer_about_a_chunk_of_text_at_a_time(monkeypatch
     whole = list(corpus.iter_hf_unit(None, {}, whole_digest))
     monkeypatch.setattr(corpus, "CHUNK_BYTES", 100)
     chunks = list(corpus.iter_hf_unit(None, {}, chunks_digest))
-    assert [t for texts, _ in chunks for t in texts] == [t for texts, _ in whole for t in texts] == [r or "" for r in rows]
+    assert [t for texts, _ in chunks for t in texts] == [t for texts, _ in whole for t in texts] \
+        == [r or "" for r in rows]
     assert len(whole) == 2 and len(chunks) > 6
     assert all(sum(map(len, texts[:-1])) < 100 for texts, _ in chunks)  # each stops at the row that reaches it
     assert chunks_digest.hexdigest() == whole_digest.hexdigest()
@@ -252,7 +239,8 @@ def test_a_line_or_row_longer_than_a_slice_reaches_the_tokenizer_in_slices_with_
     monkeypatch.setattr(corpus, "SLICE_CHARS", 64)
     given = []
     real_encode = backend.encode_batch_fast
-    spy = type("Spy", (), {"encode_batch_fast": lambda self, batch, **kw: given.append(batch) or real_encode(batch, **kw)})()
+    spy = type("Spy", (),
+               {"encode_batch_fast": lambda self, batch, **kw: given.append(batch) or real_encode(batch, **kw)})()
     lines = prepare.encode(spy, texts, sep, rows_are_documents=False)
     assert max(sum(map(len, batch)) for batch in given) <= 64 and len(given) > len(book) // 64
     slices = corpus.text_slices(book)
@@ -293,7 +281,8 @@ def test_hf_sources_from_the_command_line(tmp_path, tokenizer):
     opened = {}
     for split in ("train", "test"):
         args = parse_args(["--train-data", f"hf:{folder}@{split}#content", "--seq-len", "8", "--cache-dir", str(cache)])
-        blocks, fingerprint = open_training_blocks(args.train_data, tokenizer, args.seq_len, cache_dir=args.cache_dir, num_proc=1)
+        blocks, fingerprint = open_training_blocks(args.train_data, tokenizer, args.seq_len, cache_dir=args.cache_dir,
+                                                   num_proc=1)
         assert_units_follow_stream(blocks.folder, streams[split], 8)
         assert len(blocks.index["shards"]) == (3 if split == "train" else 1), "a unit per data file here"
         opened[split] = fingerprint, blocks.folder
@@ -308,7 +297,8 @@ def test_hf_sources_from_the_command_line(tmp_path, tokenizer):
     assert (open_prepared(jsonl)[np.arange(len(open_prepared(jsonl)))].tolist()
             == framed_blocks(streams["train"], 8, 101, 102))
     with pytest.raises(UserError, match="has no column 'text'"):
-        open_training_blocks(parse_args(["--train-data", f"hf:{folder}"]).train_data, tokenizer, 8, cache_dir=cache, num_proc=1)
+        open_training_blocks(parse_args(["--train-data", f"hf:{folder}"]).train_data, tokenizer, 8, cache_dir=cache,
+                             num_proc=1)
     with pytest.raises(UserError, match="cannot load HF dataset"):
         open_training_blocks([f"hf:{tmp_path / 'no_such_dataset'}#text"], tokenizer, 8, cache_dir=cache, num_proc=1)
 
@@ -369,11 +359,6 @@ def test_a_tokenizer_of_the_same_vocab_that_splits_text_otherwise_prepares_its_o
     b = prepare.prepare(str(text), accents, SEQ, tmp_path / "b", 1, progress=False)
     assert open_prepared(a).index["tokenizer_probe"] != open_prepared(b).index["tokenizer_probe"]
     assert open_prepared(a).fingerprint == open_prepared(b).fingerprint
-    # a folder prepared before folders recorded the probe is checked on the vocab alone, as then
-    index = json.loads((b / "index.json").read_text())
-    del index["tokenizer_probe"]
-    (b / "index.json").write_text(json.dumps(index))
-    assert open_training_blocks(str(b), tokenizer, SEQ)[1] == open_prepared(a).fingerprint
 
 
 def test_two_launches_preparing_the_same_corpus_at_once_both_succeed(tmp_path):
@@ -387,7 +372,8 @@ def test_two_launches_preparing_the_same_corpus_at_once_both_succeed(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("The primary reason was clear. " * 400)
     with ThreadPoolExecutor(2) as pool:
-        folders = list(pool.map(lambda _: ensure_prepared([str(corpus)], tokenizer, SEQ, tmp_path / "cache", 1), range(2)))
+        folders = list(pool.map(lambda _: ensure_prepared([str(corpus)], tokenizer, SEQ, tmp_path / "cache", 1),
+                                range(2)))
     assert folders[0] == folders[1]
     assert [p.name for p in folders[0].parent.iterdir()] == [folders[0].name], "no private folder is left behind"
     assert len(open_prepared(folders[0], tokenizer, SEQ)) > 0

@@ -6,19 +6,33 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SHARED_DATA, free_port, need_shared, read_metrics
+from conftest import REPO, SHARED_DATA, free_port, hub_snapshot, need_shared, read_metrics
 
 
 def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, small_corpus):
+    """From a tiny BERT with its MLM head and pooler (BertForPreTraining) in an HF cache laid out as the hub's,
+    named as on the hub and resolved offline, as the paper continued public checkpoints."""
+    from transformers import BertConfig, BertForPreTraining
+
+    from truneg.model.presets import BERT_PRESETS, common_config
+
     glue = need_shared(SHARED_DATA / "glue")
-    out = tmp_path / "ablation"
+    out, cache = tmp_path / "ablation", tmp_path / "hf-cache"
+    BertForPreTraining(BertConfig(**BERT_PRESETS["bert-tiny"], **common_config())).save_pretrained(
+        hub_snapshot(cache, "org/tiny-bert"))
+    env = {**launch_env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--preset", "bert-tiny", "--tasks", "rte",
-                           "--steps", "6", "--train-data", str(small_corpus), "--seq-len", "64", "--micro-batch-size", "4",
-                           "--glue-dir", str(glue), "--max-train-samples", "64", "--epochs", "1", "--output-dir", str(out),
-                           "--master-port", str(free_port()), "--num-gpus", "1"],
-                          env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=900)
+                           "--init-from", "org/tiny-bert",
+                           "--steps", "6", "--train-data", str(small_corpus), "--seq-len", "64", "--micro-batch-size",
+                           "4",
+                           "--glue-dir", str(glue), "--max-train-samples", "64", "--epochs", "1", "--output-dir",
+                           str(out),
+                           "--master-port", str(free_port()), "--num-gpus", "1", "--finetune-seeds", "42",
+                           "--fn-checkpoints", "none"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "ablation.json").read_text())
+    assert "| HC+SR | 1 |" in (out / "report" / "glue.md").read_text()  # the report, at the end
     assert list(report["scores"]) == ["baseline", "HC", "SR", "HC+SR"]
     assert all(0 <= s["rte"] <= 100 for s in report["scores"].values())
     # the table's Δ rows are each variant's score minus the baseline's (to the printed two decimals)
@@ -32,7 +46,7 @@ def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, sm
     for variant, (hc, sr) in {"baseline": ("none", "none"), "HC": ("wordnet", "none"), "SR": ("none", "word"),
                               "HC+SR": ("wordnet", "word")}.items():
         recorded = json.loads((out / variant.replace("+", "_") / "run.json").read_text())
-        assert (recorded["hc"], recorded["sr"]) == (hc, sr), variant
+        assert (recorded["hc"], recorded["sr"], recorded["init_from"]) == (hc, sr, "org/tiny-bert"), variant
         assert (recorded["synonym_table"] is None) == (hc == "none"), variant
     runs = {v: read_metrics(out / v.replace("+", "_")) for v in report["scores"]}
     assert all(len(r) == 6 for r in runs.values())
@@ -66,10 +80,14 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
     launched = []
     monkeypatch.setattr(ablation, "export", lambda *a, **k: None)
     monkeypatch.setattr(ablation, "finetune", lambda *a, **k: {"accuracy": 0.75, "f1": 0.8})
+    monkeypatch.setattr(ablation, "recipe", lambda *a: {})
+    monkeypatch.setattr(ablation, "report", lambda *a: [])
     from truneg.cli import build_parser
 
-    args = build_parser().parse_args(["ablation", "--tasks", "mrpc", "--glue-dir", str(tmp_path / "glue"), "--output-dir",
-                                      str(tmp_path / "out"), "--steps", "6"])
+    args = build_parser().parse_args(["ablation", "--tasks", "mrpc", "--glue-dir", str(tmp_path / "glue"),
+                                      "--output-dir",
+                                      str(tmp_path / "out"), "--steps", "6", "--fn-checkpoints", "none",
+                                      "--finetune-seeds", "1"])
     for variant, step in (("baseline", 6), ("HC", 3), ("SR", 6), ("HC+SR", 0)):
         checkpoints = tmp_path / "out" / variant.replace("+", "_") / "checkpoints"
         checkpoints.mkdir(parents=True)
@@ -83,7 +101,9 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
     report = ablation.run_ablation(args)
     assert launched == ["HC", "HC+SR"]
     assert report["scores"]["baseline"] == {"mrpc": 75.0}
-    # a pre-training that a signal stopped early (it exits 0) is said, not exported
+    # a pre-training that a signal stopped early (it exits 0) is said, not exported (a folder without stage
+    # records: an earlier version's)
+    (tmp_path / "out" / "stages.json").unlink()
     (tmp_path / "out" / "SR" / "checkpoints" / "latest").write_text("global_step2")
     monkeypatch.setattr(ablation, "pretrain", lambda variant, args, out: None)
     with pytest.raises(UserError, match="pre-training SR stopped at global_step2, short of --steps 6"):
@@ -98,14 +118,17 @@ def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags
     from truneg.cli import build_parser
     from truneg.errors import UserError
     from truneg.eval import ablation
+    from truneg.eval.variants import DEFAULT_VARIANTS
 
     commands = []
-    monkeypatch.setattr(ablation.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or sp.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(ablation.subprocess, "run",
+                        lambda cmd, **kw: commands.append(cmd) or sp.CompletedProcess(cmd, 0))
     args = build_parser().parse_args(["ablation", "--preset", "electra-base", "--init-from", "/ckpt/electra-base",
-                                      "--seq-len", "512", "--steps", "200", "--deepspeed_config", "c.json", "--num-gpus", "8"])
-    for variant in ablation.VARIANTS:
+                                      "--seq-len", "512", "--steps", "200", "--deepspeed_config", "c.json",
+                                      "--num-gpus", "8"])
+    for variant in DEFAULT_VARIANTS:
         ablation.pretrain(variant, args, tmp_path / variant)
-    for variant, cmd in zip(ablation.VARIANTS, commands):
+    for variant, cmd in zip(DEFAULT_VARIANTS, commands):
         assert cmd[1:3] == ["--num_gpus", "8"] and cmd[cmd.index("--init-from") + 1] == "/ckpt/electra-base"
         assert [cmd[cmd.index(f) + 1] for f in ("--model", "--seq-len", "--max-steps", "--deepspeed_config")] == [
             "electra-base", "512", "200", "c.json"]
@@ -118,3 +141,137 @@ def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags
     with pytest.raises(UserError, match="--seq-len 1024 is beyond the model's 512 positions"):
         ablation.run_ablation(args)
     assert commands == []
+
+
+def test_table_6_variants_launch_over_a_hostfile_with_the_init_pair_and_the_checkpoint_schedule(tmp_path, monkeypatch):
+    """HC_Embedding and SR_Sent launch with their own objectives; --hostfile and --launcher-args go to `deepspeed`
+    as `truneg preflight` takes them (every slot of the hostfile: no --num_gpus); --init-from and
+    --init-generator go to every variant; saves fall on each checkpoint of Table 2's schedule."""
+    import subprocess as sp
+
+    from truneg.cli import build_parser
+    from truneg.eval import ablation
+
+    commands = []
+    monkeypatch.setattr(ablation.subprocess, "run",
+                        lambda cmd, **kw: commands.append(cmd) or sp.CompletedProcess(cmd, 0))
+    args = build_parser().parse_args(["ablation", "--variants", "HC_Embedding,SR_Sent", "--hc-embeddings", "w2v.txt",
+                                      "--hostfile", "hosts", "--launcher-args", "--launcher slurm --num_nodes 2",
+                                      "--init-from", "google/electra-base-discriminator", "--init-generator",
+                                      "google/electra-base-generator", "--preset", "electra-base", "--steps", "200000",
+                                      "--master-port", "29600"])
+    for variant in args.variants:
+        ablation.pretrain(variant, args, tmp_path / variant)
+    for variant, cmd in zip(args.variants, commands):
+        script = next(i for i, c in enumerate(cmd) if c.endswith("pretrain.py"))
+        assert cmd[1:script] == ["--hostfile", "hosts", "--launcher", "slurm", "--num_nodes", "2", "--master_port",
+                                 "29600"]
+        flags = dict(zip(cmd[script + 1::2], cmd[script + 2::2]))
+        assert flags["--init-from"] == "google/electra-base-discriminator"
+        assert flags["--init-generator"] == "google/electra-base-generator"
+        assert flags["--save-steps"] == "12500"  # 6.25 % of 200k: every checkpoint of 6.25,12.5,25,50,75,100 %
+        objectives = [(f, cmd[i + 1]) for i, f in enumerate(cmd) if f in ("--hc", "--sr", "--hc-embeddings")]
+        assert objectives == {"HC_Embedding": [("--hc", "embedding"), ("--hc-embeddings", "w2v.txt")],
+                              "SR_Sent": [("--sr", "sent")]}[variant]
+    assert ablation.fn_steps(200000, [6.25, 12.5, 25, 50, 80, 100])[-2:] == [160000, 200000]
+    assert ablation.save_steps(200000, [6.25, 12.5, 25, 50, 80, 100]) == 2500  # the paper's 80 %: 80 saves
+    assert ablation.save_steps(8, []) == 8
+    # 300 steps at 6.25 %: a gcd of 1 would save every step; the schedule goes onto the first checkpoint's grid
+    assert ablation.save_steps(300, [6.25, 12.5, 25, 50, 75, 100]) == 19
+    assert ablation.fn_steps(300, [6.25, 12.5, 25, 50, 75, 100]) == [19, 38, 76, 152, 228, 300]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ablation", "--variants", "HC,Word2Vec"])
+
+
+def test_an_ablation_killed_between_stages_continues_without_repeating_a_finished_one(tmp_path, monkeypatch):
+    """Every stage recorded in stages.json: killed during the second seed of HC's MRPC, the same command runs
+    that seed alone (its first seed's folder kept), then the report; once more, nothing at all."""
+    import subprocess as sp
+
+    from transformers import BertConfig
+
+    from truneg.cli import build_parser
+    from truneg.errors import UserError
+    from truneg.eval import ablation
+    from truneg.train.checkpoint import META_FILE
+
+    for task in ("RTE", "MRPC"):
+        (tmp_path / "glue" / task).mkdir(parents=True)
+        (tmp_path / "glue" / task / "train.tsv").write_text("")
+    (tmp_path / "valid.txt").write_text("text\n")
+    out, calls, kill = tmp_path / "out", [], {"at": ("HC", "mrpc", 2)}
+
+    def pretrain(variant, args, folder):
+        calls.append(("pretrain", variant))
+        for step in (4, 6, 8):  # --fn-checkpoints 50,100 of 8 steps: saves every 4... and one tag off-schedule
+            (folder / "checkpoints" / f"global_step{step}").mkdir(parents=True)
+            (folder / "checkpoints" / f"global_step{step}" / META_FILE).write_text("{}")
+        (folder / "checkpoints" / "latest").write_text("global_step8")
+
+    def export(checkpoints, hf):
+        calls.append(("export", hf.parent.name))
+        BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2).save_pretrained(hf)
+        (hf / "model.safetensors").write_bytes(b"")
+
+    def fn_stats_process(cmd, **kw):  # `truneg fn-stats` as a process
+        tags = cmd[cmd.index("--checkpoints") + 1:cmd.index("--data")]
+        fn = cmd[cmd.index("--out") + 1]
+        calls.append(("fn-stats", [t.rsplit("/", 1)[1] for t in tags]))
+        rows = [{"checkpoint": t, "step": int(t.rsplit("step", 1)[1]), "sequences": 4, "mismatched": 10,
+                 "iter_ratio": 0.25, "pred_ratio": 0.1} for t in tags]
+        (tmp_path / fn).mkdir(parents=True)
+        (tmp_path / fn / "fn_stats.json").write_text(json.dumps(rows))
+        return sp.CompletedProcess(cmd, 0)
+
+    def finetune(task, model, data_dir, folder, seed, max_train_samples, **recipe):
+        variant = model.parent.name
+        calls.append(("glue", variant, task, seed, recipe["lr"]))
+        if kill["at"] == (variant, task, seed):
+            raise KeyboardInterrupt  # the job killed here
+        results = {"task": task, "accuracy": 0.5 + seed / 100 + (variant == "HC") / 10, "seed": seed, **recipe}
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps(results))
+        return results
+
+    reports = []
+    real_report = ablation.report
+    monkeypatch.setattr(ablation, "report", lambda *a: reports.append(a) or real_report(*a))
+    for name, spy in (("pretrain", pretrain), ("export", export), ("finetune", finetune)):
+        monkeypatch.setattr(ablation, name, spy)
+    monkeypatch.setattr(ablation.subprocess, "run", fn_stats_process)
+    argv = ["ablation", "--variants", "baseline,HC", "--tasks", "rte,mrpc", "--glue-dir", str(tmp_path / "glue"),
+            "--output-dir", str(out), "--steps", "8", "--fn-checkpoints", "50,100", "--fn-data",
+            str(tmp_path / "valid.txt"), "--finetune-seeds", "1,2"]
+    with pytest.raises(KeyboardInterrupt):
+        ablation.run_ablation(build_parser().parse_args(argv))
+    done = json.loads((out / "stages.json").read_text())["done"]
+    assert list(done) == ["baseline/pretrain", "baseline/export", "baseline/fn-stats", "baseline/glue/rte (seeds 1,2)",
+                          "baseline/glue/mrpc (seeds 1,2)", "HC/pretrain", "HC/export", "HC/fn-stats",
+                          "HC/glue/rte (seeds 1,2)"]
+    assert ("fn-stats", ["global_step4", "global_step8"]) in calls  # the schedule's checkpoints only
+    assert ("glue", "baseline", "rte", 1, 1e-4) in calls  # a bert-tiny-sized export: BERT's compact recipe
+    calls.clear()
+    kill["at"] = None
+    record = ablation.run_ablation(build_parser().parse_args(argv))
+    assert calls == [("glue", "HC", "mrpc", 2, 1e-4)]  # not even HC's MRPC seed 1, nor any earlier stage
+    assert record["scores"]["HC"] == {"rte": pytest.approx(61.5), "mrpc": pytest.approx(61.5)}  # medians
+    assert len(reports) == 1 and "| HC | 2 |" in (out / "report" / "glue.md").read_text()
+    assert "| HC | global_step8 | 8 | 100.00 | 25.00 | 10.00 |" in (out / "report" / "false_negatives.md").read_text()
+    calls.clear()
+    ablation.run_ablation(build_parser().parse_args(argv))
+    assert calls == [] and len(reports) == 1
+    # a seed more: only that seed of each fine-tuning runs (not a skipped stage), then the report again
+    more = [*argv[:-1], "1,2,3"]
+    ablation.run_ablation(build_parser().parse_args(more))
+    assert calls == [("glue", v, t, 3, 1e-4) for v in ("baseline", "HC") for t in ("rte", "mrpc")]
+    assert len(reports) == 2 and json.loads((out / "HC" / "glue" / "rte" / "results.json").read_text())["seeds"] == [
+        1, 2, 3]
+    # another learning rate over the finished seeds: one line, nothing run
+    calls.clear()
+    with pytest.raises(UserError, match=r"was fine-tuned with lr 0.0001 \(now 0.001\)"):
+        ablation.run_ablation(build_parser().parse_args([*more, "--lr", "1e-3"]))
+    assert calls == []
+    # other pre-training settings in the same folder would mix two runs: one line, nothing run
+    with pytest.raises(UserError, match=r"holds an ablation run with steps 8 \(now 9\)"):
+        ablation.run_ablation(build_parser().parse_args([*argv, "--steps", "9"]))
+    assert calls == []

@@ -71,7 +71,8 @@ def test_evaluate_counts_synonym_predictions_of_a_stub_mlm(monkeypatch):
     # predicts "run" where the gold is "ran", and the gold itself elsewhere
     predict_from_gold(monkeypatch, lambda gold: torch.where(gold == ran, torch.full_like(gold, run), gold))
     mlm = models.build_pretrainer("bert-tiny", models.ObjectiveConfig()).mlm
-    counts, cases = evaluate(mlm, blocks, tokenizer, SynonymLookup(table), seed=3, batch_size=16, max_cases=3, table=table)
+    counts, cases = evaluate(mlm, blocks, tokenizer, SynonymLookup(table), seed=3, batch_size=16, max_cases=3,
+                             table=table)
     # the hand reference: the same masks, drawn by the same pure function
     batch = real_mask(blocks, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), "bert", 3, 0,
                       np.arange(40), masking.default_max_predictions(16))
@@ -142,7 +143,8 @@ def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):
 
 def test_bad_paths_are_clear_errors(tmp_path, small_corpus):
     for args, expected in [
-        (["fn-stats", "--checkpoints", str(tmp_path / "nope"), "--data", str(small_corpus), "--out", str(tmp_path / "o")],
+        (["fn-stats", "--checkpoints", str(tmp_path / "nope"), "--data", str(small_corpus), "--out",
+          str(tmp_path / "o")],
          "is neither a truneg checkpoints folder"),
         (["fn-cases", "--checkpoint", str(tmp_path), "--data", str(small_corpus), "--out", str(tmp_path / "o")],
          "is neither a truneg checkpoints folder"),
@@ -151,7 +153,8 @@ def test_bad_paths_are_clear_errors(tmp_path, small_corpus):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("truneg: error:") and expected in proc.stderr
     (tmp_path / "config.json").write_text("{}")
-    proc = cli_in_process("fn-stats", "--checkpoints", str(tmp_path), "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"))
+    proc = cli_in_process("fn-stats", "--checkpoints", str(tmp_path), "--data", str(tmp_path / "missing.txt"), "--out",
+                          str(tmp_path / "o"))
     assert proc.returncode == 2 and "no text files found" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -213,8 +216,10 @@ def test_line_and_article_sequences_never_cross_their_segment(tmp_path):
 
 
 def test_segmentation_and_length_are_recorded(tmp_path):
-    results = [FnCounts("a", 8, "line", 512, sequences=10, masked=40, mismatched=20, corrected=2, sequences_corrected=1),
-               FnCounts("b", 16, "line", 512, sequences=10, masked=40, mismatched=10, corrected=1, sequences_corrected=1)]
+    results = [FnCounts("a", 8, "line", 512, sequences=10, masked=40, mismatched=20, corrected=2, sequences_corrected=1)
+               ,
+               FnCounts("b", 16, "line", 512, sequences=10, masked=40, mismatched=10, corrected=1,
+                        sequences_corrected=1)]
     write_stats(results, tmp_path)
     with open(tmp_path / "fn_stats.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

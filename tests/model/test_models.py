@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import model_inputs
+from conftest import hub_snapshot, model_inputs
 from transformers import BertConfig, BertForMaskedLM
 
 from truneg.model.pretrainers import BertPretrainer, ObjectiveConfig, build_pretrainer, parameter_groups
@@ -21,7 +21,8 @@ def masked_batch(seed=0, batch=4, length=32, vocab=30522):
 
 def test_masked_only_head_equals_hf_full_head_loss():
     torch.manual_seed(0)
-    hf = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)).eval()
+    hf = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=128)).eval()
     inputs, attention, labels, original = masked_batch()
     reference = hf(input_ids=inputs, attention_mask=attention, labels=labels).loss
     ours, stats = BertPretrainer(hf, ObjectiveConfig())(**model_inputs(inputs, labels, original))
@@ -54,7 +55,8 @@ def test_presets_build_the_official_sizes_on_the_meta_device():
         for preset, ratio in (("electra-small", 4), ("electra-base", 3)):
             model = build_pretrainer(preset, ObjectiveConfig())
             disc, gen = model.discriminator.electra, model.generator.electra
-            assert disc.encoder.layer[0].attention.self.query.out_features == ratio * gen.encoder.layer[0].attention.self.query.out_features
+            width = lambda encoder: encoder.layer[0].attention.self.query.out_features  # noqa: E731
+            assert width(disc.encoder) == ratio * width(gen.encoder)
             assert len(disc.encoder.layer) == len(gen.encoder.layer) == 12
         assert model.discriminator.config.hidden_size == 768 and model.word_embeddings.weight.shape == (30522, 768)
         large = build_pretrainer("bert-large", ObjectiveConfig())
@@ -221,3 +223,100 @@ def test_electra_discriminator_labels_the_replaced_masked_tokens_and_teaches_the
     own = {n: p for n, p in model.generator.named_parameters() if "embeddings" not in n and "lm_head" not in n}
     assert own and all(p.grad is None or not p.grad.any() for p in own.values())
     assert model.word_embeddings.weight.grad.abs().sum() > 0  # shared with the discriminator: it learns
+
+
+def test_a_continued_bert_carries_its_checkpoints_pooler_outside_the_trained_module(tmp_path):
+    """A BertForPreTraining checkpoint's pooler (which BertForMaskedLM drops) is kept as loaded: no parameter (no
+    optimizer, no decay), not in the module's state (no bf16 or fp16 copy). A model from scratch, or a checkpoint
+    without a pooler, has none."""
+    from transformers import BertForPreTraining
+
+    from truneg.model.presets import BERT_PRESETS
+
+    public = BertForPreTraining(BertConfig(**BERT_PRESETS["bert-tiny"], vocab_size=1000))
+    public.save_pretrained(tmp_path / "public")
+    model = build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "public", vocab_size=1000)
+    loaded = {f"bert.pooler.{k}": v for k, v in public.bert.pooler.state_dict().items()}
+    assert model.pooler.keys() == loaded.keys() and all(torch.equal(model.pooler[k], v) for k, v in loaded.items())
+    carried = {id(t) for t in model.pooler.values()}
+    assert not carried & {id(p) for group in parameter_groups(model) for p in group["params"]}
+    assert not carried & {id(p) for p in model.parameters()} and not any("pooler" in k for k in model.state_dict())
+    model.to(torch.bfloat16)  # as DeepSpeed casts the module for a bf16 run
+    assert all(v.dtype == torch.float32 and torch.equal(v, loaded[k]) for k, v in model.pooler.items())
+    assert build_pretrainer("bert-tiny", ObjectiveConfig()).pooler is None
+    model.mlm.save_pretrained(tmp_path / "mlm")
+    assert build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "mlm", vocab_size=1000).pooler is None
+
+
+def test_electra_from_its_two_checkpoints_shares_one_embedding_and_refuses_a_pair_that_cannot(tmp_path, capsys,
+                                                                                             offline_hub):
+    """--init-from DISCRIMINATOR --init-generator GENERATOR, each a folder or a hub name (the public ELECTRA is two
+    repos): tied as the official ELECTRA shares them, the discriminator's copy kept and named when they differ."""
+    import argparse
+
+    from transformers import ElectraConfig, ElectraForMaskedLM
+
+    from truneg.errors import UserError
+    from truneg.model import hub
+    from truneg.model.presets import BERT_PRESETS, ELECTRA_PRESETS
+    from truneg.train.args import parse_args
+    from truneg.train.checks import effective_preset
+    from truneg.train.run_config import RunConfig
+    from truneg.train.run_dir import run_identity
+
+    pair = build_pretrainer("electra-tiny", ObjectiveConfig())
+    disc_snapshot = hub_snapshot(offline_hub, "org/tiny-electra-discriminator")
+    pair.discriminator.save_pretrained(disc_snapshot)
+    pair.generator.save_pretrained(tmp_path / "gen")
+    disc = hub.locate("org/tiny-electra-discriminator", "--init-from").path
+
+    def load(generator) -> object:
+        return build_pretrainer(None, ObjectiveConfig(), init_from=disc, init_generator=generator)
+
+    model = load(tmp_path / "gen")
+    assert model.generator.electra.embeddings is model.discriminator.electra.embeddings
+    assert model.generator.generator_lm_head.weight is model.word_embeddings.weight
+    assert sum("word_embeddings" in name for name, _ in model.named_parameters()) == 1  # one parameter
+    assert torch.equal(model.word_embeddings.weight, pair.word_embeddings.weight) and capsys.readouterr().out == ""
+    # a generator whose copy differs: one line names what differs and which copy is kept
+    other = ElectraForMaskedLM(pair.generator.config)
+    other.load_state_dict(pair.generator.state_dict())
+    other.electra.embeddings.word_embeddings.weight.data += 1.0
+    other.save_pretrained(tmp_path / "gen-differs")
+    kept = load(tmp_path / "gen-differs")
+    note = capsys.readouterr().out
+    assert note.count("\n") == 1 and "word_embeddings.weight" in note and "the discriminator's copy is kept" in note
+    assert torch.equal(kept.word_embeddings.weight, model.word_embeddings.weight)
+    # pairs that cannot be tied, and folders of the wrong kind: one line each
+    small = ElectraConfig(**{**ELECTRA_PRESETS["electra-tiny"][1], "embedding_size": 32, "vocab_size": 1000})
+    ElectraForMaskedLM(small).save_pretrained(tmp_path / "gen-small")
+    with pytest.raises(UserError, match=r"cannot share one embedding \(vocab_size 1000 vs 30522, embedding_size 32 vs "
+                                        r"64\)"):
+        load(tmp_path / "gen-small")
+    build_pretrainer("bert-tiny", ObjectiveConfig()).mlm.save_pretrained(tmp_path / "bert")
+    with pytest.raises(UserError, match="--init-generator .* holds a bert model"):
+        load(tmp_path / "bert")
+    pair.generator.save_pretrained(tmp_path / "both" / "generator")
+    pair.discriminator.save_pretrained(tmp_path / "both" / "discriminator")
+    with pytest.raises(UserError, match="holds its own generator/"):
+        build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "both", init_generator=tmp_path / "gen")
+    other.save_pretrained(tmp_path / "both-differ" / "generator")  # the one-folder form names the copy kept too
+    pair.discriminator.save_pretrained(tmp_path / "both-differ" / "discriminator")
+    capsys.readouterr()
+    build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "both-differ")
+    assert "the discriminator's copy is kept" in capsys.readouterr().out
+    for preset in (None, "electra-tiny"):  # the discriminator alone: not read as a BERT with every weight missing
+        with pytest.raises(UserError, match="holds one ELECTRA model, not a BERT; pass its generator beside it"):
+            build_pretrainer(preset, ObjectiveConfig(), init_from=disc)
+    # the flags: the generator needs its discriminator, makes an ELECTRA run, and is part of the run's identity
+    with pytest.raises(UserError, match="pass --init-from too"):
+        parse_args(["--init-generator", str(tmp_path / "gen")])
+    with pytest.raises(UserError, match="--model bert-tiny a BERT one"):
+        parse_args(["--init-from", str(disc), "--init-generator", str(tmp_path / "gen"), "--model", "bert-tiny"])
+    args = parse_args(["--init-from", "org/tiny-electra-discriminator", "--init-generator", str(tmp_path / "gen")])
+    # the discriminator is ELECTRA's by its model_type, with its generator or alone (which the start then refuses):
+    # never the BERT preset of its sizes (electra-tiny's has bert-tiny's, google/electra-base-discriminator BERT-base's)
+    alone = argparse.Namespace(**{**vars(args), "init_generator": None})
+    assert effective_preset(args) == effective_preset(alone) == "electra-tiny"
+    assert all(pair.discriminator.config.to_dict()[k] == v for k, v in BERT_PRESETS["bert-tiny"].items())
+    assert run_identity(RunConfig.from_args(args), {}, {})["init_generator"] == str(tmp_path / "gen")

@@ -96,7 +96,8 @@ def test_soft_regularization_leaves_out_a_zero_row():
     emb = torch.randn(30, 8, generator=gen)
     emb[0] = 0.0
     emb.requires_grad_()
-    gold, pred, valid = torch.tensor([5, 6, 7, 8]), torch.tensor([9, 0, 11, 12]), torch.tensor([True, True, True, False])
+    gold, pred, valid = torch.tensor([5, 6, 7, 8]), torch.tensor([9, 0, 11, 12]), torch.tensor([True, True, True,
+                                                                                                False])
     value = soft_regularization(emb, gold, pred, valid)
     value.backward()
     expected = soft_regularization(emb.detach(), gold[[0, 2]], pred[[0, 2]])
@@ -169,7 +170,8 @@ def test_hc_removes_exactly_the_synonym_positions_from_the_mlm_loss(table, looku
     monkeypatch.setattr(model, "masked_logits", lambda *a: logits)
     loss, stats = model(**batch)
     gold = labels[labels != -100]
-    kept = F.cross_entropy(logits.reshape(4, -1)[[2, 3]], gold[[2, 3]])  # the correct and the wrong prediction keep their loss
+    kept = F.cross_entropy(logits.reshape(4, -1)[[2, 3]],
+                           gold[[2, 3]])  # the correct and the wrong prediction keep their loss
     assert torch.allclose(loss, kept)
     assert stats["corrected"].item() == 2 and stats["mismatched"].item() == 3
     assert stats["sequences_corrected"].item() == 1  # only the first sequence holds corrections
@@ -187,7 +189,8 @@ def test_hc_relabels_exactly_the_synonym_samples_as_original_for_the_discriminat
 
     monkeypatch.setattr(models, "discriminator_loss", spy)
     model(**batch)
-    # replaced: primary->main (synonym: original), ran->run (synonym: original), house->house (same), happy->sad (replaced)
+    # replaced: primary->main (synonym: original), ran->run (synonym: original), house->house (same), happy->sad
+    # (replaced)
     assert captured["labels"].tolist() == [[0, 0, 0, 0], [0, 0, 1, 0]]
     without_hc = build_pretrainer("electra-tiny", ObjectiveConfig())
     monkeypatch.setattr(without_hc, "masked_logits", lambda *a: forced_logits(table, ["main", "run", "house", "sad"]))

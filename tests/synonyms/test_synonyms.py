@@ -50,7 +50,8 @@ def nltk_reference(tokens, morphy: bool) -> dict[str, set[str]]:
 
 
 def table_as_sets(table: SynonymTable) -> dict[str, set[str]]:
-    return {table.tokens[i]: {table.tokens[j] for j in table.row(i)} for i in range(table.vocab_size) if len(table.row(i))}
+    return {table.tokens[i]: {table.tokens[j] for j in table.row(i)} for i in range(table.vocab_size)
+            if len(table.row(i))}
 
 
 def test_paper_pairs_present(shipped):
@@ -189,14 +190,16 @@ def test_lookup_agrees_with_python_sets_on_random_and_real_pairs(shipped):
 def test_a_cased_vocabulary_gets_its_capitalised_words_synonyms_in_their_case():
     """wn.synsets lower-cases its query; WordNet's index holds lower-case lemmas. A cased vocabulary's "Big"
     has large's synonyms written as it is: "Large", not "large" (a different token)."""
-    table = synonym_sources.build_from_wordnet(["[PAD]", "Big", "large", "big", "Large", "Primary", "Main", "main", "USA", "US"])
+    table = synonym_sources.build_from_wordnet(["[PAD]", "Big", "large", "big", "Large", "Primary", "Main", "main",
+                                                "USA", "US"])
     assert table.synonyms_of("Big") == ["Large"] and table.synonyms_of("big") == ["large"]
     assert table.synonyms_of("Primary") == ["Main"] and table.synonyms_of("USA") == ["US"]
 
 
 def test_embedding_source_text_and_binary(tmp_path):
     tokens = ["[PAD]", "[UNK]", "big", "large", "huge", "tiny", "##s", "a"]
-    vectors = {"big": [1, 0, 0], "large": [0.95, 0.1, 0], "huge": [0.9, 0.3, 0], "tiny": [-1, 0, 0], "##s": [1, 0, 0], "a": [1, 0, 0]}
+    vectors = {"big": [1, 0, 0], "large": [0.95, 0.1, 0], "huge": [0.9, 0.3, 0], "tiny": [-1, 0, 0], "##s": [1, 0, 0],
+               "a": [1, 0, 0]}
     text = tmp_path / "vec.txt"
     text.write_text(f"{len(vectors)} 3\n" + "".join(f"{w} {' '.join(map(str, v))}\n" for w, v in vectors.items()))
     binary = tmp_path / "vec.bin"

@@ -34,7 +34,8 @@ def files(tmp_path_factory):
     (root / "bad.w2v").write_text("2 3\nhouse 0.1 0.2 0.3\nhome 0.1 x 0.3\n")
     (root / "outdir.npz").mkdir()
     qa = {"id": "q1", "question": "Who?", "answers": [{"text": "Ann", "answer_start": "0"}]}
-    (root / "squad_str_start.json").write_text(json.dumps({"data": [{"paragraphs": [{"context": "Ann came.", "qas": [qa]}]}]}))
+    squad = {"data": [{"paragraphs": [{"context": "Ann came.", "qas": [qa]}]}]}
+    (root / "squad_str_start.json").write_text(json.dumps(squad))
     qa = {**qa, "answers": [{"text": "Ann", "answer_start": 0}]}
     (root / "squad_ok.json").write_text(json.dumps({"data": [{"paragraphs": [{"context": "Ann came.", "qas": [qa]}]}]}))
     (root / "squad_empty.json").write_text(json.dumps({"version": "1.1", "data": []}))
@@ -70,14 +71,16 @@ def test_paths_and_files_that_cannot_be_used(files):
     # checked before the checkpoint is read (which is where the time goes)
     one_line(cli_in_process("export", str(files / "nowhere"), str(files / "afile.txt" / "hf")),
              f"{files / 'afile.txt'} is a file, not a folder")
-    one_line(cli_in_process("fn-cases", "--checkpoint", str(files / "ck" / "checkpoints"), "--data", str(ASSETS / "corpus"),
+    one_line(cli_in_process("fn-cases", "--checkpoint", str(files / "ck" / "checkpoints"), "--data",
+                            str(ASSETS / "corpus"),
                             "--out", str(files / "cases")), "holds no complete checkpoint")
     one_line(cli_in_process("fn-stats", "--checkpoints", str(files / "ck" / "checkpoints"), "--data",
                             str(ASSETS / "corpus"), "--out", str(files / "stats")), "holds no complete checkpoint")
     assert not (files / "stats").exists()
     one_line(cli_in_process("fn-cases", "--checkpoint", str(files / "nowhere"), "--data", str(ASSETS / "corpus"),
                             "--out", str(files / "afile.txt")), "is a file; pass a folder path")
-    argparse_refusal(cli_in_process("fn-stats", "--checkpoints", "x", "--data", "y", "--out", "z", "--max-sequences", "-5"),
+    argparse_refusal(cli_in_process("fn-stats", "--checkpoints", "x", "--data", "y", "--out", "z", "--max-sequences",
+                                    "-5"),
                      "--max-sequences", "must be >= 1, not -5")
     assert (files / "afile.txt").read_text() == "a file, not a folder" and not (files / "cases").exists()
 
@@ -87,7 +90,8 @@ def test_every_command_refuses_an_output_path_it_cannot_make_before_any_work(fil
     other input missing, the output path's line must still be the one printed."""
     afile, folder = str(files / "afile.txt"), str(files)
     commands = {  # each command's name: its argv with every other input missing
-        "finetune glue": ["finetune", "glue", "--task", "rte", "--model", "m", "--data-dir", "d", "--output-dir", afile],
+        "finetune glue": ["finetune", "glue", "--task", "rte", "--model", "m", "--data-dir", "d", "--output-dir", afile]
+        ,
         "finetune squad": ["finetune", "squad", "--model", "m", "--train", "t", "--dev", "d", "--output-dir", afile],
         "robustness swap-syn": ["robustness", "swap-syn", "--task", "rte", "--model", "m", "--data-dir", "d",
                                 "--output-dir", afile],
@@ -136,7 +140,8 @@ def test_a_damaged_exported_model_is_one_line(tmp_path, monkeypatch):
     weights = tmp_path / "hf" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     one_line(cli_in_process("fn-stats", "--checkpoints", str(tmp_path / "hf"), "--data", str(ASSETS / "corpus"),
-                            "--tokenizer", str(ASSETS / "vocab"), "--max-sequences", "4", "--out", str(tmp_path / "fn")),
+                            "--tokenizer", str(ASSETS / "vocab"), "--max-sequences", "4", "--out", str(tmp_path / "fn"))
+                            ,
              f"checkpoint {tmp_path / 'hf'}: cannot load it")
 
 
@@ -157,7 +162,8 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
     # a stride (the tokens windows share) that leaves no context: up front, or beside a long question (the
     # tokenizer would stop there, naming no flag); both from squad.check_doc_stride. 64 of 128 is a valid pair
     # (a stride is not the windows' distance)
-    no_context = "--doc-stride {} (the tokens consecutive windows share) leaves no context in a window of --max-seq-len 128"
+    no_context = ("--doc-stride {} (the tokens consecutive windows share) leaves no context in a window of "
+                  "--max-seq-len 128")
     one_line(cli_in_process(*squad, "--train", ok, "--dev", ok, "--output-dir", out, "--max-seq-len", "128"),
              no_context.format(128) + "; use --doc-stride below 125")
     from truneg.eval.squad import check_doc_stride
@@ -168,7 +174,8 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
     qa = {"id": "q2", "question": "which " * 60 + "?", "answers": [{"text": "Ann", "answer_start": 0}]}
     long_question.write_text(json.dumps({"data": [{"paragraphs": [{"context": "Ann came. " * 40, "qas": [qa]}]}]}))
     one_line(cli_in_process(*squad, "--train", str(long_question), "--dev", ok, "--output-dir", out, "--max-seq-len",
-                            "128", "--doc-stride", "64"), no_context.format(64) + " beside the longest question (61 tokens)")
+                            "128", "--doc-stride", "64"),
+                            no_context.format(64) + " beside the longest question (61 tokens)")
     one_line(cli_in_process(*squad, "--train", ok, "--dev", str(files / "squad_empty.json"), "--output-dir", out),
              "squad_empty.json has no question")
     one_line(cli_in_process(*squad, "--train", str(files / "squad_str_start.json"), "--dev", ok, "--output-dir", out),
@@ -197,12 +204,14 @@ def test_fine_tuning_and_robustness_refuse_bad_values_before_any_work(files):
     one_line(cli_in_process("robustness", "swap-syn", "--task", "rte", "--model", model, "--data-dir",
                             str(files / "rte_header_only"), "--output-dir", out), "dev.tsv holds no examples")
     argparse_refusal(cli_in_process("robustness", "swap-syn", "--task", "rte", "--model", model, "--data-dir", "d",
-                                    "--output-dir", out, "--max-eval-samples", "0"), "--max-eval-samples", "must be >= 1, not 0")
+                                    "--output-dir", out, "--max-eval-samples", "0"), "--max-eval-samples",
+                                    "must be >= 1, not 0")
     # swap-syn takes SQuAD (--task squad --dev) or a GLUE task (--data-dir), each with its own inputs
     swap = ("robustness", "swap-syn", "--model", model, "--output-dir", out)
     one_line(cli_in_process(*swap, "--task", "squad", "--data-dir", "d"), "swap-syn --task squad takes --dev FILE")
     one_line(cli_in_process(*swap, "--task", "rte", "--dev", ok), "swap-syn --task rte takes --data-dir")
-    one_line(cli_in_process(*swap, "--task", "rte", "--data-dir", "d", "--doc-stride", "64"), "not --dev or --doc-stride")
+    one_line(cli_in_process(*swap, "--task", "rte", "--data-dir", "d", "--doc-stride", "64"),
+             "not --dev or --doc-stride")
     one_line(cli_in_process(*swap, "--task", "squad", "--dev", str(files / "squad_empty.json")), "has no question")
     assert not (files / "out").exists()  # nothing was started
 
@@ -240,7 +249,8 @@ def test_range_checks_share_one_wording_and_refuse_what_is_not_finite():
     assert [out_of_range(v, 0, 1, high_open=True) for v in (0.0, 0.5, 1.0, -0.1, nan, inf)] == [
         None, None, "must be a finite number >= 0 and < 1, not 1.0", "must be a finite number >= 0 and < 1, not -0.1",
         "must be a finite number >= 0 and < 1, not nan", "must be a finite number >= 0 and < 1, not inf"]
-    assert [out_of_range(v, 1) for v in (1, 10**400, 0, -3)] == [None, None, "must be >= 1, not 0", "must be >= 1, not -3"]
+    assert [out_of_range(v, 1) for v in (1, 10**400, 0, -3)] == [None, None, "must be >= 1, not 0",
+                                                                 "must be >= 1, not -3"]
     assert out_of_range(-10**400, 0) == f"must be >= 0, not {-10**400}"  # no OverflowError on a huge int
     assert out_of_range(0.0, 0, low_open=True) == "must be a finite number > 0, not 0.0"
     assert float_between(-1, 1, low_open=False)("-1") == -1.0 and int_at_least(8)("8") == 8

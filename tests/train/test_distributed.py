@@ -13,6 +13,7 @@ from conftest import (
     assert_resumed_as_the_reference,
     cli_in_process,
     comparable,
+    flip_tensor_byte,
     free_port,
     mid_run_copy,
     read_metrics,
@@ -46,7 +47,8 @@ def _ranks() -> tuple[str | None, ...]:
     ({"MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_LOCAL_RANK": "3"}, ("3", "4", "3")),
     ({"PMI_SIZE": "8", "PMI_RANK": "5", "MPI_LOCALRANKID": "1"}, ("5", "8", "1")),
     # srun's task: the step's size (a batch script has SLURM_NTASKS too, below)
-    ({"SLURM_STEP_NUM_TASKS": "32", "SLURM_NTASKS": "32", "SLURM_PROCID": "17", "SLURM_LOCALID": "1"}, ("17", "32", "1")),
+    ({"SLURM_STEP_NUM_TASKS": "32", "SLURM_NTASKS": "32", "SLURM_PROCID": "17", "SLURM_LOCALID": "1"},
+     ("17", "32", "1")),
     # an sbatch script itself: SLURM_PROCID=0 and the allocation's SLURM_NTASKS, but one process
     ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, (None, None, None)),
     # srun --mpi=pmi2: PMI_RANK and PMI_SIZE, no MPI_LOCALRANKID; the local rank is srun's
@@ -86,7 +88,8 @@ def test_mpirun_without_master_addr_or_mpi4py_stops_with_one_line(bare_env):
     os.environ.pop("RANK")  # not through monkeypatch, which would put back the RANK adopt_launcher_env wrote
     bare_env.setattr(distributed.importlib.util, "find_spec", lambda name, *a: object())
     mpi_world = types.SimpleNamespace(size=2)
-    mpi4py = types.SimpleNamespace(MPI=types.SimpleNamespace(COMM_WORLD=types.SimpleNamespace(Get_size=lambda: mpi_world.size)))
+    mpi4py = types.SimpleNamespace(MPI=types.SimpleNamespace(COMM_WORLD=types.SimpleNamespace(Get_size=lambda:
+                                                                                              mpi_world.size)))
     bare_env.setitem(sys.modules, "mpi4py", mpi4py)
     distributed.adopt_launcher_env()
     assert _ranks()[:3] == ("1", "2", "1") and distributed._left_to_mpi_discovery()
@@ -105,13 +108,15 @@ def test_each_gpu_process_is_bound_to_its_own_device_before_the_first_collective
     import deepspeed.accelerator
 
     calls = []
-    accelerator = types.SimpleNamespace(device_name=lambda: "cuda", set_device=lambda i: calls.append(("set_device", i)))
+    accelerator = types.SimpleNamespace(device_name=lambda: "cuda",
+                                        set_device=lambda i: calls.append(("set_device", i)))
     bare_env.setattr(distributed, "get_accelerator", lambda: accelerator)
     bare_env.setattr(deepspeed, "init_distributed",
                      lambda **kw: calls.append(("init", kw["dist_backend"], kw["auto_mpi_discovery"])))
     bare_env.setattr(distributed.dist, "get_rank", lambda: 3)
     bare_env.setattr(distributed.dist, "get_world_size", lambda: 4)
-    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
+                        "MASTER_PORT": "1"}.items():
         bare_env.setenv(name, value)
     assert distributed.init_distributed() == (3, 4)
     # NCCL (the accelerator's backend), no MPI discovery (the launcher's variables are there), then cuda:1
@@ -147,19 +152,20 @@ def test_the_cli_takes_the_local_rank_the_deepspeed_launcher_adds(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("truneg: error:")  # past the parser, to the missing model
 
 
-def test_a_checkpoint_file_damaged_for_one_rank_alone_stops_every_rank_with_one_line(launch_env, runs, small_corpus,
-                                                                                    tmp_path):
-    """Rank 1 alone reads its ZeRO optimizer shard. Cut short (a copy that failed), it stopped rank 1 inside
-    DeepSpeed's load while rank 0 went on into the first step's all-reduce, which rank 1 never joined (across
-    nodes: a wait until the timeout; here gloo's closed socket, a traceback). Every file of the tag is opened
-    first, a share per rank, and the outcome shared: both ranks stop with one line. Started as mpirun starts
-    them, so no launcher stops rank 0 for it."""
+def test_a_changed_byte_in_one_ranks_shard_stops_every_rank_with_one_line_naming_the_file(launch_env, runs,
+                                                                                           small_corpus, tmp_path):
+    """One bit flipped inside a tensor of rank 1's ZeRO optimizer shard (bad storage, a copy gone wrong): the file
+    still opens, and a resume would train on. Each rank checksums its share of the tag's files against the manifest
+    its save wrote, and every rank learns what each found: both stop with the same line naming the file (a rank
+    stopped alone inside DeepSpeed's load would leave the other waiting in its first all-reduce; across nodes until
+    the timeout). Started as mpirun starts them, so no launcher stops rank 0 for it. `truneg verify` says the same
+    offline (exit 2), and the intact reference checkpoint verifies (exit 0)."""
     reference_dir, _ = runs("bert-zero2")
     out, port = tmp_path / "damaged", free_port()
     resumed_from = mid_run_copy(reference_dir, out)
     tag = out / "checkpoints" / f"global_step{resumed_from}"
     [shard] = tag.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    flip_tensor_byte(shard)
     records = (out / "metrics.jsonl").read_text()
     argv = train_args("bert-zero2", out, small_corpus)
     codes, outputs = started_as_mpirun(launch_env, port, [argv, argv])
@@ -167,12 +173,14 @@ def test_a_checkpoint_file_damaged_for_one_rank_alone_stops_every_rank_with_one_
     assert not any("Traceback" in output for output in outputs), outputs
     lines = [[line for line in output.splitlines() if line.startswith("truneg: error: ")] for output in outputs]
     assert [len(rank_lines) for rank_lines in lines] == [1, 1], lines
-    said = {rank_lines[0].removeprefix("truneg: error: ") for rank_lines in lines}
-    damaged = next(line for line in said if f"cannot read checkpoint {tag}: {shard.name} is damaged (" in line)
-    assert "resume from another tag with --resume DIR" in damaged
-    checker = next(rank for rank, rank_lines in enumerate(lines) if damaged in rank_lines[0])
-    assert said - {damaged} == {f"rank {checker} could not read checkpoint {tag} (its own line says why); every rank "
-                                "stopped"}
+    assert lines[0] == lines[1], lines
+    assert lines[0][0].startswith(f"truneg: error: {shard} is damaged: its bytes changed since the save (checksum ")
+    assert lines[0][0].endswith("resume from another tag with --resume DIR, or start afresh with --resume none "
+                                "--overwrite")
     assert (out / "checkpoints" / "latest").read_text() == f"global_step{resumed_from}"  # nothing touched
     assert (out / "metrics.jsonl").read_text() == records
     assert shm_allreduce_buffers(port) == []
+    verify = cli_in_process("verify", str(out / "checkpoints"))
+    assert verify.returncode == 2 and verify.stderr.splitlines() == [lines[0][0].split("; resume")[0]], verify
+    intact = cli_in_process("verify", str(reference_dir / "checkpoints"), "--tag", tag.name)
+    assert intact.returncode == 0 and intact.stdout.strip().endswith(": intact"), intact

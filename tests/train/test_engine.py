@@ -16,6 +16,7 @@ from conftest import (
     comparable,
     deepspeed_cmd,
     free_port,
+    hub_snapshot,
     mid_run_copy,
     read_metrics,
     resume_and_match,
@@ -169,7 +170,8 @@ def test_export_reads_the_bf16_recipes_checkpoints(tmp_path, launch_env, small_c
     config.update(optimizer=cpu["optimizer"], scheduler=cpu["scheduler"])  # torch's AdamW: no GPU build here
     (tmp_path / "bf16.json").write_text(json.dumps(config))
     out = tmp_path / "bf16"
-    run(deepspeed_cmd(*train_args("electra-zero2", out, small_corpus), "--deepspeed_config", str(tmp_path / "bf16.json"),
+    run(deepspeed_cmd(*train_args("electra-zero2", out, small_corpus), "--deepspeed_config",
+                      str(tmp_path / "bf16.json"),
                       "--max-steps", "4", "--save-steps", "4", "--micro-batch-size", "2", port=free_port()), launch_env)
     checkpoints = out / "checkpoints"
     assert len(list((checkpoints / "global_step4").glob("bf16_zero_pp_rank_*_optim_states.pt"))) == 2
@@ -218,15 +220,39 @@ def test_every_ds_config_is_valid_for_deepspeed():
         assert config.gradient_clipping > 0 and raw["scheduler"]["params"]["total_num_steps"] == "auto"
 
 
-def test_continued_pretraining_from_an_exported_checkpoint(runs, tmp_path, launch_env, small_corpus):
+def test_continued_pretraining_from_a_hub_name_keeps_the_pooler_into_the_export(runs, tmp_path, launch_env,
+                                                                                 small_corpus, offline_hub):
+    """An exported run, saved as BertForPreTraining weights (MLM head and pooler, as a public BERT) into an HF cache
+    laid out as the hub's, continues from its hub name offline; run.json keeps the name and the commit, and the
+    pooler comes out of training into the export bitwise as loaded, where fine-tuning starts from it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification, BertForPreTraining
+
+    from truneg.eval.glue import resolve_model_dir
+    from truneg.model.presets import load_pretrained
     from truneg.train.export import export
 
     out, _ = runs("bert-zero2")
     exported = tmp_path / "hf"
     export(out / "checkpoints", exported)
+    public = BertForPreTraining.from_pretrained(exported)  # the pooler (absent there) starts random: any weights do
+    public.save_pretrained(hub_snapshot(offline_hub, "org/tiny-bert", "e0" * 20))
     continued = tmp_path / "continued"
-    run(deepspeed_cmd(*train_args("bert-zero2", continued, small_corpus), "--max-steps", "2", "--init-from", str(exported),
-                      num_gpus=1, port=free_port()), launch_env)
+    # (three steps: the warmup's rate is 0 at the first two)
+    run(deepspeed_cmd(*train_args("bert-zero2", continued, small_corpus), "--max-steps", "3", "--init-from",
+                      "org/tiny-bert", num_gpus=1, port=free_port()),
+        {**launch_env, "HF_HUB_CACHE": str(offline_hub), "HF_HUB_OFFLINE": "1"})
     fresh_first, trained_last = read_metrics(out)[0]["mlm_loss"], read_metrics(out)[-1]["mlm_loss"]
     first = read_metrics(continued)[0]["mlm_loss"]
     assert first < fresh_first - 1.0 and abs(first - trained_last) < 1.0, (fresh_first, trained_last, first)
+    record = json.loads((continued / "run.json").read_text())
+    assert (record["init_from"], record["init_revision"]) == ("org/tiny-bert", "e0" * 20)
+
+    again = export(continued / "checkpoints", tmp_path / "hf-continued")["mlm"]
+    weights, loaded = load_file(again / "model.safetensors"), public.state_dict()
+    assert not torch.equal(weights["bert.encoder.layer.0.output.dense.weight"],
+                           loaded["bert.encoder.layer.0.output.dense.weight"])  # trained, weight decay too
+    for key in ("bert.pooler.dense.weight", "bert.pooler.dense.bias"):
+        assert weights[key].dtype == torch.float32 and torch.equal(weights[key], loaded[key]), key
+    classifier = load_pretrained(AutoModelForSequenceClassification, resolve_model_dir(again), "--model", num_labels=2)
+    assert torch.equal(classifier.bert.pooler.dense.weight, loaded["bert.pooler.dense.weight"])  # finetune's start

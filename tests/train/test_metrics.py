@@ -103,7 +103,8 @@ def test_each_record_field_is_its_formula_over_both_ranks_sums(tmp_path, monkeyp
     """Two ranks (faked: the all-reduce doubles, as a second rank with the same sums would add them): the losses
     are means over finite micro-steps, the ratios are HC's and the accuracies are per masked / scored token, and the
     skipped steps, which every rank counts, are counted once."""
-    monkeypatch.setattr("truneg.train.metrics.dist", SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 2,
+    monkeypatch.setattr("truneg.train.metrics.dist",
+                        SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 2,
                                                                all_reduce=lambda t: t.mul_(2)))
     engine = SimpleNamespace(global_samples=24, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=3,
                              monitor=SimpleNamespace(write_events=lambda events: None))

@@ -52,7 +52,8 @@ def test_every_gpu_recipe_splits_its_global_batch_at_1_8_and_the_hostfile(world)
 
 def test_batch_split_errors_name_the_numbers_and_overrides_keep_the_global_batch():
     base = {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 16}
-    with pytest.raises(UserError, match=r"train_batch_size 128 does not split over 24 ranks.*--micro-batch-size M") as err:
+    with pytest.raises(UserError,
+                       match=r"train_batch_size 128 does not split over 24 ranks.*--micro-batch-size M") as err:
         dsc.resolve_batch_sizes(dict(base), 24, None, None)
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match=r"--micro-batch-size 24 does not divide train_batch_size 128 / 8 ranks = 16"):
@@ -63,7 +64,8 @@ def test_batch_split_errors_name_the_numbers_and_overrides_keep_the_global_batch
         dsc.resolve_batch_sizes(dict(base), 8, 0, None)
     config = dict(base)
     dsc.resolve_batch_sizes(config, 8, 4, None)  # keeps 128: accumulation follows
-    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]) == (4, 4, 128)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (4, 4, 128)
     config = dict(base)
     dsc.resolve_batch_sizes(config, 8, None, 8)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 8)
@@ -274,14 +276,18 @@ def gpu(monkeypatch):
 
 def test_precision_follows_compute_capability_not_emulation(gpu):
     gpu["arch_list"] = ["sm_70", "sm_80", "sm_90"]
-    for capability, precision in (((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16")):
+    for capability, precision in (((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((8, 6), "bf16"),
+                                  ((9, 0), "bf16")):
         gpu["capability"] = capability
         assert dsc.local_capability() == capability
         for preset in ("electra-small", "electra-base", "bert-base", "bert-large", "bert-tiny", "electra-tiny"):
             for continued in (False, True):
                 path = dsc.default_config_path(preset, continued=continued)
                 config, choices = dsc.resolve(path, 8, 300, Path("/tmp/unused"))
-                assert dsc.precision_of(config) == precision and config["zero_optimization"]["stage"] == (1 if precision == "bf16" else 2), path
+                assert dsc.precision_of(config) == precision and config["zero_optimization"]["stage"] == (1
+                                                                                                          if precision
+                                                                                                          == "bf16"
+                                                                                                          else 2), path
                 assert config["scheduler"]["params"]["warmup_num_steps"] < 300, path  # fits the default --max-steps
                 assert checks.check_precision(config, capability) == []
         assert ("continued" in dsc.default_config_path("bert-large", continued=True).name)

@@ -29,6 +29,7 @@ from conftest import (
     run,
     shm_allreduce_buffers,
     start,
+    start_as_mpirun,
     train_args,
     wait_for,
 )
@@ -57,7 +58,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "broken.json").write_text('{"train_micro_batch_size_per_gpu": 4,,}')
     config = json.loads((REPO / "ds_configs" / "cpu_zero2.json").read_text())
-    (tmp_path / "batch.json").write_text(json.dumps({**config, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}))
+    batch = {**config, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}
+    (tmp_path / "batch.json").write_text(json.dumps(batch))
     (tmp_path / "fp16.json").write_text(json.dumps({**config, "fp16": {"enabled": True}}))
     (tmp_path / "decoupled.json").write_text(json.dumps({**config, "checkpoint": {"writer": {"decoupled": True}}}))
     (tmp_path / "bf16_true.json").write_text(json.dumps({**config, "bf16": True}))
@@ -90,8 +92,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
         "resume and overwrite": (["--resume", str(other_run / "checkpoints"), "--overwrite"],
                                  "--overwrite starts afresh, --resume"),
         "malformed config": (["--deepspeed_config", str(tmp_path / "broken.json")], "is not valid JSON (line 1"),
-        "batch sizes": (["--deepspeed_config", str(tmp_path / "batch.json")], "train_batch_size 10 does not split over 4"),
-        "fp16 on cpu": (["--deepspeed_config", str(tmp_path / "fp16.json")], "enables fp16, which the CPU does not support"),
+        "batch sizes": (["--deepspeed_config", str(tmp_path / "batch.json")], "train_batch_size 10 does not split over "
+                                                                              "4"),
+        "fp16 on cpu": (["--deepspeed_config", str(tmp_path / "fp16.json")], "enables fp16, which the CPU does not "
+                                                                             "support"),
         "decoupled checkpoint writer": (["--deepspeed_config", str(tmp_path / "decoupled.json")],
                                         "decoupled checkpoint writer (checkpoint.writer.decoupled"),
         "config section of the wrong type": (["--deepspeed_config", str(tmp_path / "bf16_true.json")],
@@ -152,9 +156,11 @@ def test_hostfile_errors_stop_the_launch_scripts(tmp_path, launch_env):
     proc = subprocess.run(["bash", str(REPO / "launch" / "bert_large.sh")], env={**launch_env, "HOSTFILE": str(bad),
                           "DATA": "/nowhere", "PYTHON": sys.executable}, capture_output=True, text=True)
     assert_one_line_error(proc, f"{bad}:2: 'node-2 slots=eight' is not `HOST slots=N`")
-    for text, expected in [("a slots=0\n", "slots=0"), ("a slots=2\na slots=2\n", "listed twice"), ("# only\n", "lists no node")]:
+    for text, expected in [("a slots=0\n", "slots=0"), ("a slots=2\na slots=2\n", "listed twice"),
+                           ("# only\n", "lists no node")]:
         bad.write_text(text)
-        assert_one_line_error(subprocess.run([sys.executable, "-m", "truneg.cluster.hostfile", str(bad)], capture_output=True,
+        assert_one_line_error(subprocess.run([sys.executable, "-m", "truneg.cluster.hostfile", str(bad)],
+                                             capture_output=True,
                                              text=True), expected)
 
 
@@ -212,7 +218,8 @@ reference = Tiny()
 reference.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
 (reference(x.half().float(), y)[0]).backward()  # fp32 SGD from the same (fp16-rounded) weights
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
-          "gradient_clipping": 0.0, "fp16": {"enabled": True, "initial_scale_power": 10}}  # 1024: this loss's scaled gradients fit fp16
+          # 1024: this loss's scaled gradients fit fp16
+          "gradient_clipping": 0.0, "fp16": {"enabled": True, "initial_scale_power": 10}}
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config)
 before = engine.module.lin.weight.detach().float().clone()
 state = types.SimpleNamespace(batches=iter([{"x": x.half(), "y": y}]), rank=0,
@@ -267,7 +274,8 @@ def test_a_failure_on_rank_0_alone_stops_every_rank_with_one_line(runs, tmp_path
     proc = run(deepspeed_cmd(*train_args("bert-zero2", out, small_corpus), port=free_port()), launch_env, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "truneg: error:" in line]
-    assert any(f"cannot complete {out / 'checkpoints' / 'global_step24'}: IsADirectoryError: [Errno 21]" in line for line in errors), errors
+    assert any(f"cannot complete {out / 'checkpoints' / 'global_step24'}: IsADirectoryError: [Errno 21]" in line
+               for line in errors), errors
     assert any("rank 0 could not complete" in line and "every rank stopped" in line for line in errors), errors
     assert "Traceback" not in proc.stderr and (out / "checkpoints" / "latest").read_text() == "global_step16"
 
@@ -279,7 +287,7 @@ def test_the_load_pre_check_reads_what_the_load_reads_in_any_torch_format_and_na
     import torch
 
     from truneg.errors import UserError
-    from truneg.train import checkpoint
+    from truneg.train import integrity
 
     tag = tmp_path / "global_step8"
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -290,24 +298,24 @@ def test_the_load_pre_check_reads_what_the_load_reads_in_any_torch_format_and_na
     legacy = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     torch.save({"state": torch.ones(1000)}, legacy, _use_new_zipfile_serialization=False)
     (tag / "truneg_rank00001 (copy).pt").write_bytes(b"not a checkpoint")  # not truneg's name: checked as a file
-    loaded = [p.relative_to(tag).as_posix() for p in checkpoint._files_to_load(tag, 1, saved_world_size=2)]
+    loaded = [p.relative_to(tag).as_posix() for p in integrity.files_to_load(tag, 1, saved_world_size=2)]
     assert loaded == ["mp_rank_00_model_states.pt", "truneg_rank00001 (copy).pt", "zero/dense.weight/fp32.pt",
                       "zero/optimizer_state.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                       "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # no RNG states: written by another world size
     (tag / "truneg_rank00001 (copy).pt").unlink()
-    same_world = [p.name for p in checkpoint._files_to_load(tag, 2, saved_world_size=2)]
+    same_world = [p.name for p in integrity.files_to_load(tag, 2, saved_world_size=2)]
     assert "truneg_rank00000.pt" in same_world and "truneg_rank00001.pt" in same_world
-    checkpoint._check_readable(checkpoint._files_to_load(tag, 2, 2), tag)  # the legacy file too
+    integrity.check_readable(integrity.files_to_load(tag, 2, 2), tag)  # the legacy file too
     for cut in (tag / "zero" / "optimizer_state.pt", legacy):
         cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
         with pytest.raises(UserError, match=rf"cannot read checkpoint {tag}: {cut.relative_to(tag)} is damaged \("):
-            checkpoint._check_readable([cut], tag)
+            integrity.check_readable([cut], tag)
     unreadable = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     unreadable.unlink()
     unreadable.mkdir()  # an OSError, not the file's content: said as such, not "damaged"
     with pytest.raises(UserError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt: .*Is a directory.*check its "
                                         r"permissions and file system"):
-        checkpoint._check_readable([unreadable], tag)
+        integrity.check_readable([unreadable], tag)
 
 
 def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path):
@@ -335,7 +343,8 @@ def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path
 
     (folder / "global_step400").mkdir()
     checkpoint._commit(folder, "global_step400", 400, 2)
-    assert checkpoint.saved_world_size(folder, "global_step400") == 2 and checkpoint.latest_tag(folder) == "global_step400"
+    assert checkpoint.saved_world_size(folder,
+                                       "global_step400") == 2 and checkpoint.latest_tag(folder) == "global_step400"
     (folder / "global_step400" / checkpoint.META_FILE).write_text("")
     with pytest.raises(UserError, match="truneg_meta.json is damaged; resume from another tag"):
         checkpoint.saved_world_size(folder, "global_step400")
@@ -453,3 +462,56 @@ def test_an_orphaned_build_lock_is_told_from_one_a_live_process_holds(tmp_path):
     finally:
         held.release()
     assert orphaned_build_locks(tmp_path / "held_op") == []
+
+
+def test_a_stopped_rank_and_diverged_replicas_stop_the_run_with_one_line_naming_rank_1(tmp_path, launch_env,
+                                                                                      small_corpus):
+    """Two faults that crash nothing, two 2-rank runs at once, each started as mpirun starts them (no launcher to
+    stop the others when one rank ends):
+    - rank 1 stopped with SIGSTOP mid-run: rank 0 waits in the step's all-reduce, and its watchdog, past
+      --step-timeout, writes rank 0's stack into the output folder, names rank 1 in one line and exits, where
+      without it rank 0 would wait the collective timeout (10 minutes) and say nothing of who was behind;
+    - TRUNEG_INJECT_DIVERGE=8: rank 1 changes one weight after step 8's update; the replica check before step 8's
+      checkpoint (8 is no multiple of --replica-check-steps 3) stops both ranks naming rank 1 and the parameter,
+      and `latest` stays the checkpoint of step 4."""
+    base = ["--model", "bert-tiny", "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json"), "--train-data",
+            str(small_corpus), "--seq-len", "64", "--micro-batch-size", "2", "--log-steps", "1"]
+    hang_out, diverge_out = tmp_path / "hang", tmp_path / "diverge"
+    hang_args = [*base, "--output-dir", str(hang_out), "--max-steps", "5000", "--save-steps", "0",
+                 "--step-timeout", "8"]  # a tiny step takes well under a second, even beside other work
+    diverge_args = [*base, "--output-dir", str(diverge_out), "--max-steps", "12", "--save-steps", "4",
+                    "--replica-check-steps", "3"]
+    logs = {name: [tmp_path / f"{name}{rank}.log" for rank in range(2)] for name in ("hang", "diverge")}
+    hang = start_as_mpirun(launch_env, free_port(), [hang_args] * 2, logs["hang"])
+    diverge = start_as_mpirun({**launch_env, "TRUNEG_INJECT_DIVERGE": "8"}, free_port(), [diverge_args] * 2,
+                              logs["diverge"])
+    try:
+        assert wait_for(lambda: len(read_metrics(hang_out)) >= 3 or hang[0].poll() is not None, timeout=240)
+        os.kill(hang[1].pid, signal.SIGSTOP)
+        hang[0].wait(timeout=120)  # far below the collective timeout: the watchdog ended it
+        for proc in diverge:
+            proc.wait(timeout=240)
+    finally:
+        for proc in hang + diverge:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    hang_log = logs["hang"][0].read_text()
+    assert hang[0].returncode == 2 and "Traceback" not in hang_log, hang_log[-3000:]
+    [line] = [line for line in hang_log.splitlines() if line.startswith("truneg: error: ")]
+    assert re.fullmatch(rf"truneg: error: step (\d+) ran past --step-timeout 8 s: rank 1 stopped running \(last "
+                        rf"seen in step \d+\); every running rank's stack is in {hang_out / 'hang'}\. .*", line), line
+    step = re.search(r"step (\d+) ran past", line)[1]
+    stacks = (hang_out / "hang" / f"step{step}_rank00000.stacks.txt").read_text()
+    assert "in all_reduce" in stacks and "train_step" in stacks, stacks  # where rank 0 waited for rank 1
+
+    for rank, proc in enumerate(diverge):
+        log = logs["diverge"][rank].read_text()
+        assert proc.returncode == 2 and "Traceback" not in log, log[-3000:]
+        [line] = [line for line in log.splitlines() if line.startswith("truneg: error: ")]
+        assert line.startswith(
+            "truneg: error: the data-parallel replicas diverged by step 8: rank 1's weights differ from rank 0's, "
+            "first in mlm.bert.embeddings.word_embeddings.weight (1 parameter(s) differ); stopped without saving. The "
+            "last good checkpoint (global_step4) is intact"), line
+    assert (diverge_out / "checkpoints" / "latest").read_text() == "global_step4"
+    assert tag_names(diverge_out / "checkpoints") == {"global_step4"}, "no checkpoint of the diverged weights"

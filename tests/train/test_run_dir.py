@@ -103,7 +103,8 @@ def test_what_a_run_left_before_its_first_complete_save_is_named_as_such_and_a_d
             claim_output_dir(corrected, identity(corrected, "t"), rank=0)
         assert (tmp_path / "checkpoints" / left).is_file()  # nothing deleted without --overwrite
         claim_output_dir(failed, identity(failed, "t"), rank=0)  # the same run goes on
-        overwrite = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path), "--overwrite"]))
+        overwrite = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path),
+                                                    "--overwrite"]))
         claim_output_dir(overwrite, identity(overwrite, "t"), rank=0)
         assert not (tmp_path / "checkpoints").exists()
     # a complete checkpoint of another run is refused as such, and one beside a damaged run.json is not guessed at
@@ -140,3 +141,110 @@ def test_a_shared_folder_rank_0_cannot_write_in_stops_every_rank_with_one_line(t
     monkeypatch.setattr(Path, "write_text", full_disk)
     with pytest.raises(UserError, match=r"cannot write in .*/out: OSError: \[Errno 28\] No space left on device"):
         check_shared_output_dir(tmp_path / "out", rank=0, world_size=2)
+
+
+def test_a_hub_name_is_downloaded_by_each_nodes_local_rank_0_first_and_recorded_with_its_commit(
+        offline_hub, tmp_path, monkeypatch):
+    """Rank 0 resolves the name (and would download) before a collective; the other nodes' local rank 0 then take its
+    commit (downloading what their cache lacks), and the other ranks after them read their node's cache only.
+    run.json keeps the name and the commit; a resume after the branch moved is the same run, and keeps the commit
+    the run started from."""
+    import types
+
+    from conftest import hub_snapshot
+
+    from truneg.model import hub, pretrainers
+    from truneg.train import build, distributed
+
+    snapshot = hub_snapshot(offline_hub, "org/tiny-bert", "c0" * 20)
+    pretrainers.build_pretrainer("bert-tiny", pretrainers.ObjectiveConfig()).mlm.save_pretrained(snapshot)
+    events = []
+    real_download, real_collective = hub.snapshot_download, distributed.on_every_rank
+
+    def download(*args, local_files_only=False, **kwargs):
+        events.append(("cache only" if local_files_only else "may download", kwargs.get("revision")))
+        return real_download(*args, local_files_only=local_files_only, **kwargs)
+
+    def collective(action, what):
+        real_collective(action, what)
+        events.append("collective")
+
+    def as_rank(rank: int):  # torch.distributed as build.py sees it, on another rank of a world of several
+        def broadcast_object_list(objects, src):  # rank 0's commit
+            objects[0] = objects[0] if rank == 0 else "c0" * 20
+        return types.SimpleNamespace(get_rank=lambda: rank, get_world_size=dist.get_world_size,
+                                     all_gather_object=dist.all_gather_object,
+                                     broadcast_object_list=broadcast_object_list)
+
+    monkeypatch.setattr(hub, "snapshot_download", download)
+    monkeypatch.setattr(distributed, "on_every_rank", collective)
+    cfg = RunConfig.from_args(parse_args(["--init-from", "org/tiny-bert", "--output-dir", str(tmp_path / "run")]))
+    orders = {}
+    for rank, local_rank in ((0, "0"), (1, "0"), (1, "1")):
+        events.clear()
+        monkeypatch.setattr(build, "dist", as_rank(rank))
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        init = build.locate_init(cfg)
+        orders[rank, local_rank] = list(events)
+        assert init["init_from"] == hub.Checkpoint("org/tiny-bert", snapshot, "c0" * 20)
+    pinned = "c0" * 20  # the other ranks resolve rank 0's commit, not the branch (which may have moved since)
+    assert orders == {(0, "0"): [("may download", None), "collective", "collective", "collective"],
+                      (1, "0"): ["collective", ("may download", pinned), "collective", "collective"],
+                      (1, "1"): ["collective", "collective", ("cache only", pinned), "collective"]}
+    # a relative folder on one node only: a hub name on the others, which no commit can reconcile
+    folder_elsewhere = {**vars(as_rank(0)), "all_gather_object": lambda out, value: out.__setitem__(slice(None),
+                                                                                                  [value, None])}
+    monkeypatch.setattr(build, "dist", types.SimpleNamespace(**folder_elsewhere))
+    with pytest.raises(UserError, match="is a folder on some nodes and a hub name on others"):
+        build.locate_init(cfg)
+    monkeypatch.setattr(build, "dist", dist)
+    assert build.init_record(init) == {"init_revision": "c0" * 20}
+    pair = RunConfig.from_args(parse_args(["--init-from", str(snapshot), "--init-generator", "org/tiny-bert@main"]))
+    found = build.locate_init(pair)  # ELECTRA's pair: the generator's commit too (a folder has none)
+    assert found["init_generator"].path == snapshot and build.init_record(found) == {
+        "init_generator_revision": "c0" * 20}
+
+    parts = {"architecture": {"family": "bert", "layers": 2}, "synonym_table": None, "data": "d",
+             **build.init_record(init)}
+    claim_output_dir(cfg, run_identity(cfg, {}, parts), rank=0)
+    record = json.loads((tmp_path / "run" / RUN_FILE).read_text())
+    assert (record["init_from"], record["init_revision"]) == ("org/tiny-bert", "c0" * 20)
+    saved(tmp_path / "run" / "checkpoints")
+    claim_output_dir(cfg, run_identity(cfg, {}, {**parts, "init_revision": "c1" * 20}), rank=0)
+    assert json.loads((tmp_path / "run" / RUN_FILE).read_text())["init_revision"] == "c0" * 20
+    other = RunConfig.from_args(parse_args(["--init-from", "org/other", "--output-dir", str(tmp_path / "run")]))
+    with pytest.raises(UserError, match="holds another run's checkpoints"):
+        claim_output_dir(other, run_identity(other, {}, parts), rank=0)
+
+
+def test_a_start_from_the_checkpoint_records_and_carries_what_it_loaded_and_a_resume_what_the_run_started_from(
+        tmp_path):
+    """A run cut before its first checkpoint starts again from --init-from: run.json takes the commit resolved now
+    (a branch may have moved), and the pooler file is this start's; a resume keeps both from the run's start."""
+    import torch
+
+    from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
+    from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
+    from truneg.train.export import POOLER_FILE, save_hf_configs
+
+    cfg = RunConfig.from_args(parse_args(["--init-from", "org/tiny-bert", "--output-dir", str(tmp_path / "cut")]))
+    parts = {"architecture": {"family": "bert", "layers": 2}, "synonym_table": None, "data": "d"}
+    claim_output_dir(cfg, run_identity(cfg, {}, {**parts, "init_revision": "c0" * 20}), rank=0)
+    claim_output_dir(cfg, run_identity(cfg, {}, {**parts, "init_revision": "c1" * 20}), rank=0)
+    assert json.loads((tmp_path / "cut" / RUN_FILE).read_text())["init_revision"] == "c1" * 20
+
+    model, tokenizer = build_pretrainer("bert-tiny", ObjectiveConfig()), load_tokenizer(DEFAULT_TOKENIZER)
+    written = cfg.checkpoint_dir / "hf_config" / POOLER_FILE
+    for value, resumed, kept in ((1.0, False, 1.0), (2.0, True, 1.0), (3.0, False, 3.0)):
+        model.pooler = {"bert.pooler.dense.bias": torch.full((4,), value)}
+        save_hf_configs(model, cfg.checkpoint_dir, tokenizer, resumed=resumed)
+        assert load_file_value(written) == kept, (value, resumed)
+    model.pooler = None
+    save_hf_configs(model, cfg.checkpoint_dir, tokenizer)  # a start without a pooler leaves no earlier one
+    assert not written.exists()
+
+
+def load_file_value(path) -> float:
+    from safetensors.torch import load_file
+
+    return float(load_file(path)["bert.pooler.dense.bias"][0])

@@ -54,6 +54,7 @@ def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | 
       one without) and CUDA_HOME (nvcc for the fused optimizers' JIT builds on each node);
     - MASTER_ADDR and MASTER_PORT, for the openmpi, mvapich and slurm runners, which set none: a rank
       without them would go to MPI discovery while the ranks with them would not, and wait there;
+    - HF_HUB_CACHE and HF_HUB_OFFLINE: where each node finds a hub-named checkpoint, and whether it may download;
     - for a launch onto other nodes (`remote`), PATH with the venv's bin first (ninja for the JIT builds):
       each node's shell starts outside the venv. Over pdsh, `BIN:$PATH`, which DeepSpeed puts in double quotes
       and each node's shell expands to its own PATH, as DeepSpeed's --venv_script would leave it (not used:
@@ -61,7 +62,7 @@ def forwarded_env(environ: dict[str, str] | None = None, venv_bin: str | Path | 
       remote command and stops no rank). The MPI and Slurm runners start no shell: there this shell's PATH,
       less the entries DeepSpeed would quote."""
     environ = dict(os.environ if environ is None else environ)
-    names = ("CUDA_HOME", "MASTER_ADDR", "MASTER_PORT")
+    names = ("CUDA_HOME", "MASTER_ADDR", "MASTER_PORT", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
     forwarded = {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARDED_PREFIXES) or k in names}
     if remote and "PATH" in environ:
         venv_bin = str(venv_bin or Path(sys.prefix) / "bin")

@@ -49,7 +49,8 @@ def check_hostfile(path: str | Path) -> dict[str, int]:
             raise UserError(f"{path}:{number}: {line!r} is not `HOST slots=N`; fix or comment out that line")
         host, slots = match.group(1), int(match.group(2))
         if slots < 1:
-            raise UserError(f"{path}:{number}: {host} has slots={slots}; give it the number of GPUs on that node (>= 1)")
+            raise UserError(f"{path}:{number}: {host} has slots={slots}; "
+                            "give it the number of GPUs on that node (>= 1)")
         if host in pool:
             raise UserError(f"{path}:{number}: {host} is listed twice; keep one line per node")
         pool[host] = slots
@@ -157,7 +158,8 @@ def check_ssh(hosts: list[str], timeout_s: int = 10, port: int | None = None) ->
     for host in hosts:
         port_args = ["-p", str(port)] if port is not None else []
         try:
-            result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", *port_args, host,
+            result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", *port_args,
+                                     host,
                                      "true"],
                                     capture_output=True, text=True, timeout=timeout_s + 5)
             failed = result.returncode != 0
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
             from deepspeed.launcher.runner import EXPORT_ENVS
 
             nodes, _, options = launched_resources(pool, 0, args.launcher_args)
-            remote = (options.force_multi or len(nodes) > 1) and not options.no_ssh  # DeepSpeed reads the file only then
+            # DeepSpeed reads the file only then
+            remote = (options.force_multi or len(nodes) > 1) and not options.no_ssh
             if remote:
                 launcher = options.launcher.lower()
                 runner_exports = tuple(EXPORT_ENVS + get_accelerator().export_envs())
@@ -277,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
                                  runner_exports=runner_exports)
         print(f"{args.env_file}: " + " ".join(f"{k}={v}" for k, v in written.items()))
     else:
-        print(f"{args.hostfile}: {len(pool)} nodes, {sum(pool.values())} slots: " + ", ".join(f"{h}={s}" for h, s in pool.items()))
+        print(f"{args.hostfile}: {len(pool)} nodes, {sum(pool.values())} slots: "
+              + ", ".join(f"{h}={s}" for h, s in pool.items()))
 
 
 if __name__ == "__main__":

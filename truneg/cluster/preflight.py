@@ -23,9 +23,9 @@ from truneg.cluster.hostfile import (
     launched_resources,
     launcher_options,
 )
-from truneg.errors import UserError
-from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
-from truneg.train import ds_config
+from truneg.data.masking import default_max_predictions
+from truneg.errors import UserError, out_of_range
+from truneg.train import ds_config, memory
 from truneg.train.args import argument_problems
 from truneg.train.args import build_parser as pretrain_parser
 from truneg.train.checks import (
@@ -38,13 +38,6 @@ from truneg.train.checks import (
 from truneg.train.ds_config import GPU_ARCHS
 
 BYTES_PER_PARAM = {"fp32": 16, "fp16": 14, "bf16": 14}  # weights + fp32 master + two moments (Adam, LAMB)
-
-
-def parameter_count(preset: str) -> int:
-    """Trainable parameters of a preset (shared embeddings once), built on the meta device: no memory."""
-    with torch.device("meta"):
-        model = build_pretrainer(preset, ObjectiveConfig())
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def summary(args: argparse.Namespace, config: dict, world_size: int, capability, params: int | None) -> list[str]:
@@ -85,9 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.description = __doc__
     parser.add_argument("--hostfile", help="DeepSpeed hostfile; without it: one node with this machine's GPUs")
     parser.add_argument("--gpu-arch", choices=sorted(GPU_ARCHS),
-                        help="the nodes' GPU generation, when this machine has none (sm70 V100, sm80 A100, sm90 H100/H200)")
+                        help="the nodes' GPU generation, when this machine has none (sm70 V100, sm80 A100, sm90 "
+                             "H100/H200)")
+    parser.add_argument("--gpu-memory", type=float, metavar="GB",
+                        help="the nodes' GPU memory in GiB as torch reports it (40, 80, 141), when this machine has "
+                             "no GPU: a shipped recipe's micro-batch follows it")
     parser.add_argument("--check-ssh", action="store_true", help="also reach every node of the hostfile over ssh")
-    parser.add_argument("--launcher", default="pdsh", help="DeepSpeed's multi-node launcher, as given to it (default pdsh)")
+    parser.add_argument("--launcher", default="pdsh",
+                        help="DeepSpeed's multi-node launcher, as given to it (default pdsh)")
     parser.add_argument("--launcher-args", default="",
                         help="the options given to `deepspeed` itself (the launch scripts' LAUNCHER_ARGS), read by "
                              "DeepSpeed's own parser: --launcher, --include, --exclude, --num_nodes and --num_gpus "
@@ -107,8 +105,16 @@ def run(argv: list[str] | None = None) -> int:
             problems.append(str(err))
     local = ds_config.local_capability()
     capability = GPU_ARCHS[args.gpu_arch] if args.gpu_arch else local
+    # the nodes' memory: --gpu-memory, else this machine's GPU's where it stands for theirs
+    gpu_memory = args.gpu_memory
+    if gpu_memory is None and not args.gpu_arch:
+        gpu_memory = memory.local_memory_gib()
+    if args.gpu_memory is not None and (problem := out_of_range(args.gpu_memory, 1)):
+        problems.append(f"--gpu-memory {problem}")
+        gpu_memory = None
     # (a node that only launches, outside the hostfile's nodes, may have another GPU: each rank checks its own)
-    if args.gpu_arch and local is not None and local[0] != capability[0] and (not hosts or is_this_machine_one_of(list(hosts))):
+    if args.gpu_arch and local is not None and local[0] != capability[0] and (not hosts
+                                                                              or is_this_machine_one_of(list(hosts))):
         # the wrappers pass GPU=v100 by default: a forgotten GPU=h100 would otherwise read as a torch-build problem
         problems.append(f"--gpu-arch {args.gpu_arch} (the launch scripts' GPU=...) but this node's GPU is sm_{local[0]}"
                         f"{local[1]}: set GPU to this cluster's GPUs (v100, a100, h100, h200), or run the preflight "
@@ -129,7 +135,7 @@ def run(argv: list[str] | None = None) -> int:
     problems += argument_problems(args)
     config, choices = None, []
     try:
-        config, choices = resolve_config(args, world_size, capability)
+        config, choices = resolve_config(args, world_size, capability, gpu_memory)
     except UserError as err:
         problems.append(str(err))
     nodes = max(len(hosts), 1)
@@ -143,7 +149,7 @@ def run(argv: list[str] | None = None) -> int:
             print(f"truneg: error: {problem}", file=sys.stderr, flush=True)
         return 2
     preset = effective_preset(args)
-    params = parameter_count(preset) if preset else None
+    params = memory.parameter_count(preset) if preset else None
     if hosts:
         print(f"hostfile: {args.hostfile} ({len(hosts)} nodes: {', '.join(f'{h}={s}' for h, s in hosts.items())})")
     for line in choices:
@@ -151,6 +157,13 @@ def run(argv: list[str] | None = None) -> int:
         print(line if value and key == "config" else f"note: {line}")
     for line in summary(args, config, world_size, capability, params):
         print(line)
+    if preset and capability is not None:  # the estimate at the micro-batch chosen, whatever chose it
+        precision, micro = ds_config.precision_of(config), config["train_micro_batch_size_per_gpu"]
+        predictions = args.max_predictions or default_max_predictions(args.seq_len)
+        static, per_sample = memory.estimate_gib(preset, precision, args.seq_len, predictions, args.sr)
+        print(f"GPU memory estimate: {static + micro * per_sample:.1f} GiB at micro-batch {micro} (weights and "
+              f"optimizer states {static:.1f} GiB, unpartitioned, + {per_sample:.3f} GiB a sample)"
+              + (f" of {gpu_memory:g} GiB" if gpu_memory else "; pass --gpu-memory for the nodes' micro-batch"))
     return 0
 
 

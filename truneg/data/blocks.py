@@ -60,7 +60,8 @@ def _allow_open_files(needed: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < wanted:
         if hard != resource.RLIM_INFINITY and hard < needed:
             raise UserError(f"the corpus needs about {needed} open files (one per shard) and this process may open "
-                            f"{hard}; raise the hard limit (ulimit -Hn {wanted}, or the scheduler's or limits.conf's nofile)")
+                            f"{hard}; raise the hard limit (ulimit -Hn {wanted}, or the scheduler's or limits.conf's "
+                            "nofile)")
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else hard, hard))
 
 
@@ -138,16 +139,15 @@ def open_prepared(folder: str | Path, tokenizer: PreTrainedTokenizerBase | None 
         raise UserError(f"{folder} has no {prep.INDEX}: not a prepared folder; run `truneg prepare` into it")
     index = prep._read_json(folder / prep.INDEX)
     if index.get("format") != prep.FORMAT:
-        raise UserError(f"{folder} was prepared in format {index.get('format')!r}, not {prep.FORMAT!r}; prepare it again")
+        raise UserError(f"{folder} was prepared in format {index.get('format')!r}, not {prep.FORMAT!r}; prepare it "
+                        "again")
     if seq_len is not None and index["seq_len"] != seq_len:
         raise UserError(f"{folder} holds blocks of --seq-len {index['seq_len']}, not {seq_len}; "
                         f"pass --seq-len {index['seq_len']} or prepare the corpus again with --seq-len {seq_len}")
     if tokenizer is not None and index["tokenizer"] != prep.tokenizer_fingerprint(tokenizer):
         raise UserError(f"{folder} was prepared with another tokenizer (vocab); pass that --tokenizer or prepare "
                         "the corpus again with this one")
-    # folders prepared before the probe was recorded are checked on the vocab alone
-    probe = index.get("tokenizer_probe")
-    if tokenizer is not None and probe is not None and probe != prep.tokenizer_probe(tokenizer):
+    if tokenizer is not None and index.get("tokenizer_probe") != prep.tokenizer_probe(tokenizer):
         raise UserError(f"{folder} was prepared with a tokenizer of the same vocab that splits text otherwise (its "
                         "lowercasing, accents or CJK options); pass that --tokenizer or prepare the corpus again")
     return PreparedBlocks(folder, index)
@@ -179,7 +179,8 @@ def ensure_prepared(
     if is_prepared(folder):
         return folder
     if not prepare:
-        raise UserError(f"{' '.join(specs)} is not prepared in {cache_dir}; prepare it on this node's local rank 0 first")
+        raise UserError(f"{' '.join(specs)} is not prepared in {cache_dir}; prepare it on this node's local rank 0 "
+                        "first")
     size = sum(u["bytes"] for u in units)
     if size > AUTO_PREPARE_MAX_BYTES:
         raise UserError(

@@ -48,7 +48,8 @@ def add_command(commands) -> None:
     cmd.add_argument("--train-data", nargs="+", help="text files, folders or globs, or hf:NAME[:CONFIG][@SPLIT]#COLUMN")
     cmd.add_argument("--seq-len", type=int_at_least(3), default=128)
     cmd.add_argument("--out", required=True, type=Path, help="the prepared folder (or this part's folder)")
-    cmd.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
+    cmd.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER),
+                     help="tokenizer folder (default: bert-base-uncased)")
     cmd.add_argument("--num-proc", type=int_at_least(0),
                      help="tokenizer processes (default, or 0: the CPUs this process may use)")
     cmd.add_argument("--part", default="0/1", help="i/n: prepare the i-th (0-based) of n parts, e.g. one per machine")

@@ -97,7 +97,8 @@ class _MicroBatchPlan(torch.utils.data.Sampler):
 class _MaskedMicroBatches(torch.utils.data.Dataset):
     """Reads one micro-batch of blocks and masks it: run in the DataLoader's workers."""
 
-    def __init__(self, blocks, special_ids, mask_id: int, vocab_size: int, scheme: str, seed: int, max_predictions: int):
+    def __init__(self, blocks, special_ids, mask_id: int, vocab_size: int, scheme: str, seed: int,
+                 max_predictions: int):
         self.blocks, self.special_ids, self.mask_id, self.vocab_size = blocks, special_ids, mask_id, vocab_size
         self.scheme, self.seed, self.max_predictions = scheme, seed, max_predictions
 
@@ -116,7 +117,8 @@ def pack(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
     of four, and each costs that thread about the same (a shared-memory segment, its file descriptor, its
     mapping): `bench/loader_rate.py` measured 0.37 ms a micro-batch against 0.91 with one worker. A GPU
     rank pins and copies one buffer. The int64 tensors come first, so every view of it stays aligned."""
-    layout = [(k, v.dtype, v.shape) for k, v in sorted(batch.items(), key=lambda kv: kv[1].element_size(), reverse=True)]
+    layout = [(k, v.dtype, v.shape)
+              for k, v in sorted(batch.items(), key=lambda kv: kv[1].element_size(), reverse=True)]
     return torch.cat([batch[k].reshape(-1).view(torch.uint8) for k, _, _ in layout]), layout
 
 
@@ -179,7 +181,8 @@ class MaskedBatches:
             atexit.register(_stop_workers, weakref.ref(self._it))
         else:
             items = map(dataset.__getitem__, _MicroBatchPlan(sampler))
-            self._it = (((buffer.pin_memory() if pin_memory else buffer, layout), pos) for (buffer, layout), pos in items)
+            self._it = (((buffer.pin_memory() if pin_memory else buffer, layout), pos)
+                        for (buffer, layout), pos in items)
 
     def __next__(self) -> dict[str, torch.Tensor]:
         (buffer, layout), self.position = next(self._it)

@@ -123,18 +123,6 @@ def settings_key(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def _before_probe(settings: dict) -> dict:
-    """The settings as a preparation begun before folders recorded the tokenizer probe wrote them."""
-    return {k: v for k, v in settings.items() if k != "tokenizer_probe"}
-
-
-def _same_preparation(old: dict, new: dict) -> bool:
-    """Equal settings; one side written before the probe was recorded is compared on the rest."""
-    if "tokenizer_probe" not in old or "tokenizer_probe" not in new:
-        return _before_probe(old) == _before_probe(new)
-    return old == new
-
-
 # Workers: one unit -> one shard
 
 _WORKER: dict = {}
@@ -228,14 +216,8 @@ def _prepare_unit(job: dict) -> dict:
     return record
 
 
-def _settings_keys(settings: dict) -> tuple[str, str]:
-    """The settings keys a committed shard may carry: these settings', or theirs before the probe was recorded
-    (such a shard is kept if the rest agrees)."""
-    return settings_key(settings), settings_key(_before_probe(settings))
-
-
-def _committed(folder: Path, unit: dict, settings: dict, keys: tuple[str, str]) -> dict | None:
-    """The unit's committed record, if its shard is whole and was made with these settings (`_settings_keys`)."""
+def _committed(folder: Path, unit: dict, settings: dict, key: str) -> dict | None:
+    """The unit's committed record, if its shard is whole and was made with these settings (`key`)."""
     meta = folder / SHARDS / f"{unit['index']:06d}.json"
     if not meta.is_file():
         return None
@@ -245,7 +227,7 @@ def _committed(folder: Path, unit: dict, settings: dict, keys: tuple[str, str]) 
         return None
     shard = folder / record["file"]
     size = record["blocks"] * settings["seq_len"] * np.dtype(settings["dtype"]).itemsize
-    if record.get("settings") not in keys or record.get("unit_spec") != unit:
+    if record.get("settings") != key or record.get("unit_spec") != unit:
         return None
     if not shard.is_file() or shard.stat().st_size != size:
         return None
@@ -267,7 +249,7 @@ def _claim(folder: Path, settings: dict) -> None:
         (folder / SHARDS).mkdir(parents=True, exist_ok=True)
         _write_json(path, settings)
     old = _read_json(path)
-    if not _same_preparation(old, settings):
+    if old != settings:
         what = [k for k in ("seq_len", "tokenizer", "dtype", "sources", "units") if old.get(k) != settings.get(k)]
         raise UserError(f"{folder} holds a preparation with another {', '.join(what) or 'format'}; "
                         "choose another --out (or delete that folder to replace it)")
@@ -289,8 +271,8 @@ def prepare(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase,
     _claim(out, settings)
     index, count = part
     mine = [u for u in units if u["index"] % count == index]
-    keys = _settings_keys(settings)  # once: the settings hold every source file's entry
-    done = {u["index"]: r for u in mine if (r := _committed(out, u, settings, keys))}
+    key = settings_key(settings)  # once: the settings hold every source file's entry
+    done = {u["index"]: r for u in mine if (r := _committed(out, u, settings, key))}
     todo = [u for u in mine if u["index"] not in done]
     for stale in (out / SHARDS).glob("*.tmp"):  # a killed run's half-written shards of this part
         if int(stale.name[:6]) % count == index:
@@ -298,7 +280,7 @@ def prepare(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase,
     # What a worker needs of the settings, and their key (the whole settings list every source file: not sent
     # and hashed again for each unit)
     needed = {k: settings[k] for k in ("seq_len", "dtype", "cls_id", "sep_id")}
-    needed |= {"source_kinds": [source["kind"] for source in settings["sources"]], "key": keys[0]}
+    needed |= {"source_kinds": [source["kind"] for source in settings["sources"]], "key": key}
     jobs = [{"unit": u, "settings": needed, "folder": str(out)} for u in todo]
     # the CPUs this process may use (a scheduler's allotment), not the machine's
     num_proc = max(1, min(num_proc or len(os.sched_getaffinity(0)), len(jobs)))
@@ -350,9 +332,8 @@ def write_index(out: Path, settings: dict, records: list[dict], base: Path) -> d
     index = {"format": FORMAT, "seq_len": settings["seq_len"], "dtype": settings["dtype"],
              "tokenizer": settings["tokenizer"], "source_fingerprint": source, "sources": settings["sources"],
              "blocks": total, "tokens": sum(r["tokens"] for r in records), "shards": shards}
-    if "tokenizer_probe" in settings:  # not in parts prepared before it was recorded: checked on the vocab alone
-        index["tokenizer_probe"] = settings["tokenizer_probe"]
-    # (not the probe: a run recorded this fingerprint before folders had one, and resumes when it is the same)
+    index["tokenizer_probe"] = settings["tokenizer_probe"]
+    # The data's identity: its blocks, not the probe (a tokenizer check, which the index records beside it).
     index["fingerprint"] = hashlib.sha256(json.dumps(
         [FORMAT, settings["seq_len"], settings["dtype"], settings["tokenizer"], source,
          [s["sha256"] for s in shards]]).encode()).hexdigest()
@@ -374,10 +355,9 @@ def merge(dirs: Sequence[str | Path], out: str | Path) -> Path:
             raise UserError(f"{d} holds no finished part (part-I-of-N.json); finish its `truneg prepare --part` first")
         found += [(d, _read_json(p)) for p in parts]
     settings = found[0][1]["settings"]
-    if any(not _same_preparation(p["settings"], settings) for _, p in found):
-        raise UserError("the parts were prepared with different corpora, tokenizers or --seq-len; merge parts of one preparation")
-    if any("tokenizer_probe" not in p["settings"] for _, p in found):  # a part prepared before the probe
-        settings = _before_probe(settings)
+    if any(p["settings"] != settings for _, p in found):
+        raise UserError("the parts were prepared with different corpora, tokenizers or --seq-len; merge parts of one "
+                        "preparation")
     count = found[0][1]["part"][1]
     have = {p["part"][0] for _, p in found if p["part"][1] == count}
     if any(p["part"][1] != count for _, p in found) or have != set(range(count)):
@@ -391,7 +371,7 @@ def merge(dirs: Sequence[str | Path], out: str | Path) -> Path:
             if not shard.is_file():
                 raise UserError(f"{shard} is missing; prepare part {p['part'][0]}/{count} again")
             records.append({**r, "file": os.path.relpath(shard.resolve(), out.resolve())})
-    if (out / SETTINGS).is_file() and not _same_preparation(_read_json(out / SETTINGS), settings):
+    if (out / SETTINGS).is_file() and _read_json(out / SETTINGS) != settings:
         raise UserError(f"{out} holds another preparation; choose another --out")
     write_index(out, settings, records, out)
     return out

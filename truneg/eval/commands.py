@@ -1,4 +1,4 @@
-"""Sub-commands of `truneg` for evaluation: fn-stats, fn-cases, finetune, robustness and ablation.
+"""Sub-commands of `truneg` for evaluation: fn-stats, fn-cases, finetune, robustness, ablation and report.
 
 Each command imports its module when it runs: `truneg --help` and the parse stay free of torch and transformers.
 """
@@ -9,21 +9,49 @@ import json
 import sys
 from pathlib import Path
 
-from truneg.data.blocks import DEMO_CORPUS
 from truneg.errors import UserError, float_between, int_at_least
+from truneg.eval import ablation_args
+from truneg.eval.seeds import parse_seeds
 
 DEEPSPEED_HELP = ("train through HF Trainer's DeepSpeed integration (ZeRO, precision); the config's optimizer and "
                   "scheduler sections are ignored: the recipe's layer-wise AdamW groups and warmup stay")
 
 
+def _recipe(args, benchmark: str) -> dict:
+    """The recipe's flags: those given, the rest from the model's published recipe by family and size."""
+    from truneg.eval.glue import resolve_model_dir
+    from truneg.eval.recipes import FIELDS, fill, model_recipe
+
+    recipe = model_recipe(resolve_model_dir(args.model), benchmark, args.recipe)
+    values = fill({k: getattr(args, k) for k in FIELDS if hasattr(args, k)}, recipe)
+    print(f"truneg: recipe: {', '.join(f'{k} {v}' for k, v in values.items())} (defaults: {recipe.source})",
+          file=sys.stderr, flush=True)
+    return values
+
+
+def _over_seeds(args, run_one) -> dict:
+    """One run into --output-dir (--seed), or one per seed into --output-dir/seed-N and their median (--seeds)."""
+    from truneg.eval.seeds import run_seeds
+
+    if args.seeds:
+        return run_seeds(run_one, args.seeds, Path(args.output_dir), expect=run_one.recipe)
+    return run_one(args.seed, Path(args.output_dir))
+
+
 def _finetune_glue(args) -> None:
-    from truneg.eval.glue import finetune
+    from truneg.eval.glue import TASKS, finetune
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout: the results alone (DeepSpeed prints its op builds there)
-        results = finetune(args.task, args.model, args.data_dir, args.output_dir, epochs=args.epochs, lr=args.lr,
-                           batch_size=args.batch_size, max_seq_len=args.max_seq_len,
-                           max_train_samples=args.max_train_samples, seed=args.seed,
-                           layerwise_decay=args.layerwise_decay, deepspeed_config=args.deepspeed_config)
+        recipe = _recipe(args, "glue")
+
+        def run_one(seed: int, out: Path) -> dict:
+            return finetune(args.task, args.model, args.data_dir, out, max_train_samples=args.max_train_samples,
+                            seed=seed, deepspeed_config=args.deepspeed_config, **recipe)
+
+        run_one.recipe = {"task": args.task, **recipe}
+        if recipe.get("epochs") is None and args.task in TASKS:  # the task's own, as results.json records it
+            run_one.recipe["epochs"] = TASKS[args.task].epochs
+        results = _over_seeds(args, run_one)
     print(json.dumps(results, indent=2))
 
 
@@ -31,11 +59,15 @@ def _finetune_squad(args) -> None:
     from truneg.eval.squad import finetune_squad
 
     with contextlib.redirect_stdout(sys.stderr):
-        results = finetune_squad(args.model, args.train, args.dev, args.output_dir, epochs=args.epochs, lr=args.lr,
-                                 batch_size=args.batch_size, max_seq_len=args.max_seq_len, doc_stride=args.doc_stride,
-                                 max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
-                                 seed=args.seed, layerwise_decay=args.layerwise_decay,
-                                 deepspeed_config=args.deepspeed_config)
+        recipe = _recipe(args, "squad")
+
+        def run_one(seed: int, out: Path) -> dict:
+            return finetune_squad(args.model, args.train, args.dev, out, max_train_samples=args.max_train_samples,
+                                  max_eval_samples=args.max_eval_samples, seed=seed,
+                                  deepspeed_config=args.deepspeed_config, **recipe)
+
+        run_one.recipe = recipe
+        results = _over_seeds(args, run_one)
     print(json.dumps(results, indent=2))
 
 
@@ -74,7 +106,7 @@ def _common(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="masking and sampling seed")
     parser.add_argument("--prediction", choices=["default", "argmax", "sample"], default="default",
                         help="default: argmax for BERT, the generator's sample for ELECTRA (as in training)")
-    parser.add_argument("--batch-size", type=int_at_least(1), default=32)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=32, help="sequences per forward (default 32)")
     parser.add_argument("--max-sequences", type=int_at_least(1), help="stop after this many sequences")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoints' own, else bert-base-uncased)")
 
@@ -137,7 +169,8 @@ def _add_analysis(commands) -> None:
     _common(stats)
     stats.set_defaults(func=_fn_stats)
     cases = commands.add_parser("fn-cases", help="dump corrected examples (paper Figure 3 / Table 1)")
-    cases.add_argument("--checkpoint", required=True, help="a tag, a checkpoints folder (its newest tag) or an HF folder")
+    cases.add_argument("--checkpoint", required=True,
+                       help="a tag, a checkpoints folder (its newest tag) or an HF folder")
     cases.add_argument("-n", type=int_at_least(0), default=20, help="number of cases")
     _common(cases)
     cases.set_defaults(func=_fn_cases)
@@ -149,30 +182,74 @@ def _ablation(args) -> None:
     run_ablation(args)
 
 
-def _add_io(parser, model_help: str) -> None:
-    """Flags every fine-tuning and robustness command takes."""
+def _report(args) -> None:
+    from truneg.eval.report import report
+
+    command = " ".join(["truneg report", *args.results, "--out", str(args.out)] +
+                       (["--tasks", args.tasks] if args.tasks else []) +
+                       (["--baseline", args.baseline] if args.baseline != "baseline" else []))
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    for path in report(args.results, args.out, tasks, args.baseline, command):
+        if path.suffix == ".md":
+            print(path.read_text(encoding="utf-8"))
+        print(f"wrote {path}")
+
+
+def _add_report(commands) -> None:
+    parser = commands.add_parser("report", help="the paper's Tables 3 / 6 (GLUE) and 2 (false negatives) from "
+                                 "results.json, ablation.json and fn_stats.json files")
+    parser.add_argument("results", nargs="+", metavar="RESULTS_DIR",
+                        help="folders searched for result files; NAME=DIR names the variant of a folder's results "
+                             "(else: the folder under DIR they sit in, or DIR's name)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="folder for glue.md/.csv/_deltas.png and false_negatives.md/.csv/.png")
+    parser.add_argument("--tasks", help="GLUE tasks of the table, comma-separated (default: ablation.json's, else "
+                                        "all eight); a task without a result shows as missing")
+    parser.add_argument("--baseline", default="baseline", help="the variant the deltas are taken against")
+    parser.set_defaults(func=_report, output_paths=[("out", "--out", True)])
+
+
+def _add_io(parser, model_help: str, seeds: bool = False) -> None:
+    """Flags every fine-tuning and robustness command takes (fine-tuning: --seed or --seeds)."""
     parser.add_argument("--model", required=True, help=model_help)
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--output-dir", required=True, help="folder for results.json and what the run writes")
+    seed = parser.add_mutually_exclusive_group() if seeds else parser
+    seed.add_argument("--seed", type=int, default=42, help="one run, into --output-dir (default 42)" if seeds else
+                      "the seed of the transformation's random choices (default 42)")
+    if seeds:
+        seed.add_argument("--seeds", type=parse_seeds, metavar="S1,S2,...",
+                          help="one run per seed, each into --output-dir/seed-S (one already done is skipped); "
+                               "results.json gives each seed's metrics and their median (the reported number), "
+                               "mean and standard deviation")
     parser.set_defaults(output_paths=[("output_dir", "--output-dir", True)])  # checked by cli.main, before any work
 
 
 def _add_scoring(parser, max_seq_len_help: str) -> None:
     """Flags of the robustness commands' scoring: score with the fine-tuning's lengths."""
-    parser.add_argument("--max-seq-len", type=int_at_least(8), help=f"as the model was fine-tuned with ({max_seq_len_help})")
-    parser.add_argument("--doc-stride", type=int_at_least(1), help="SQuAD: as the model was fine-tuned with (default 128)")
-    parser.add_argument("--max-eval-samples", type=int_at_least(1))
+    parser.add_argument("--max-seq-len", type=int_at_least(8),
+                        help=f"as the model was fine-tuned with ({max_seq_len_help})")
+    parser.add_argument("--doc-stride", type=int_at_least(1),
+                        help="SQuAD: as the model was fine-tuned with (default 128)")
+    parser.add_argument("--max-eval-samples", type=int_at_least(1), help="score the first N dev examples only")
 
 
-def _add_recipe(parser, epochs: int | None, epochs_help: str | None, max_seq_len: int) -> None:
-    """The fine-tuning recipe's flags (glue and squad)."""
-    parser.add_argument("--epochs", type=int_at_least(0), default=epochs, help=epochs_help)
-    parser.add_argument("--lr", type=float_between(0), default=1e-4)
-    parser.add_argument("--batch-size", type=int_at_least(1), default=32)
-    parser.add_argument("--max-seq-len", type=int_at_least(8), default=max_seq_len)
+RECIPE_HELP = "default: the model's recipe by family and size (docs/evaluation.md#recipes)"
+
+
+def _add_recipe(parser, epochs_help: str) -> None:
+    """The fine-tuning recipe's flags (glue and squad); a flag not given takes the model's published recipe."""
+    parser.add_argument("--recipe", choices=["auto", "electra", "bert"], default="auto",
+                        help="whose published recipe sets the flags not given: auto (ELECTRA's for an ELECTRA, "
+                             "BERT's for the rest), electra or bert; the size comes from the model's hidden size")
+    parser.add_argument("--epochs", type=int_at_least(0), help=epochs_help)
+    parser.add_argument("--lr", type=float_between(0), help=f"peak learning rate ({RECIPE_HELP})")
+    parser.add_argument("--batch-size", type=int_at_least(1), help=RECIPE_HELP)
+    parser.add_argument("--max-seq-len", type=int_at_least(8), help=RECIPE_HELP)
+    parser.add_argument("--warmup-ratio", type=float_between(0, 1), help=f"linear warmup's share of the steps "
+                        f"({RECIPE_HELP})")
     parser.add_argument("--max-train-samples", type=int_at_least(1), help="train on the first N examples")
-    parser.add_argument("--layerwise-decay", type=float_between(0, 1), default=0.8,
-                        help="ELECTRA's layer-wise lr decay, in (0, 1]; 1 turns it off")
+    parser.add_argument("--layerwise-decay", type=float_between(0, 1),
+                        help=f"ELECTRA's layer-wise lr decay, in (0, 1]; 1 turns it off ({RECIPE_HELP})")
     parser.add_argument("--deepspeed_config", help=DEEPSPEED_HELP)
 
 
@@ -180,21 +257,23 @@ def add_commands(commands) -> None:
     _add_analysis(commands)
     finetune = commands.add_parser("finetune", help="fine-tune and evaluate an exported model").add_subparsers(
         dest="benchmark", required=True)
-    exported = "an exported truneg folder or any HF BERT/ELECTRA folder"
+    exported = "an exported truneg folder, any HF BERT/ELECTRA folder, or a model name of the HF hub (NAME[@REVISION])"
     glue = finetune.add_parser("glue", help="a GLUE task from GLUE's TSV files")
     glue.add_argument("--task", required=True, help="cola | sst2 | mrpc | stsb | qqp | mnli | qnli | rte")
     glue.add_argument("--data-dir", required=True, help="the task's folder with train.tsv and dev.tsv")
-    _add_io(glue, exported)
-    _add_recipe(glue, None, "default: 3, or 10 for RTE and STS-B (ELECTRA's); 0 scores the untrained model", 128)
+    _add_io(glue, exported, seeds=True)
+    _add_recipe(glue, "ELECTRA's recipe: 3, or 10 for RTE and STS-B; BERT's: 3 (4 small); 0 scores the untrained "
+                "model")
     glue.set_defaults(func=_finetune_glue)
     squad = finetune.add_parser("squad", help="SQuAD v1.1: exact match and F1")
     squad.add_argument("--train", required=True, help="SQuAD v1.1 training JSON")
     squad.add_argument("--dev", required=True, help="SQuAD v1.1 dev JSON")
-    _add_io(squad, exported)
-    _add_recipe(squad, 2, None, 384)
-    squad.add_argument("--doc-stride", type=int_at_least(1), default=128,
-                       help="tokens that consecutive windows of a long context share (the HF tokenizer's stride)")
-    squad.add_argument("--max-eval-samples", type=int_at_least(1))
+    _add_io(squad, exported, seeds=True)
+    _add_recipe(squad, "ELECTRA's recipe: 2; BERT's: 3 (4 small)")
+    squad.add_argument("--doc-stride", type=int_at_least(1),
+                       help="tokens that consecutive windows of a long context share (the HF tokenizer's stride; "
+                            f"{RECIPE_HELP}: 128)")
+    squad.add_argument("--max-eval-samples", type=int_at_least(1), help="score the first N dev questions only")
     squad.set_defaults(func=_finetune_squad)
 
     robustness = commands.add_parser("robustness", help="scores under synonym swaps and distractors (paper Table 5)")
@@ -203,37 +282,18 @@ def add_commands(commands) -> None:
     swap.add_argument("--task", required=True, help="squad (with --dev), or a GLUE task (with --data-dir)")
     swap.add_argument("--data-dir", help="the GLUE task's folder with dev.tsv")
     swap.add_argument("--dev", help="SQuAD v1.1 dev JSON (--task squad)")
-    _add_io(swap, "a fine-tuned model (finetune glue's or squad's OUTPUT/model)")
+    _add_io(swap, "a fine-tuned model (finetune glue's or squad's OUTPUT/model, or a hub name)")
     _add_scoring(swap, "default: the fine-tuning's, 128 for GLUE, 384 for SQuAD")
     swap.set_defaults(func=_robustness_swap)
     add_sent = attacks.add_parser("add-sent", help="TextFlint's AddSentDiverse (without CoreNLP) on SQuAD dev")
     add_sent.add_argument("--dev", required=True, help="SQuAD v1.1 dev JSON")
-    _add_io(add_sent, "a fine-tuned QA model (finetune squad's OUTPUT/model)")
+    _add_io(add_sent, "a fine-tuned QA model (finetune squad's OUTPUT/model, or a hub name)")
     _add_scoring(add_sent, "default: the fine-tuning's, 384")
     add_sent.set_defaults(func=lambda args: _robustness_squad(args, "add-sent"))
 
     _add_ablation(commands)
+    _add_report(commands)
 
 
 def _add_ablation(commands) -> None:
-    parser = commands.add_parser("ablation", help="baseline / HC / SR / HC+SR pre-training, then GLUE (paper Tables 3, 6)")
-    parser.add_argument("--preset", default="bert-tiny", help="the model preset every variant pre-trains")
-    parser.add_argument("--tasks", default="rte,mrpc", help="GLUE tasks to fine-tune on, comma-separated")
-    parser.add_argument("--steps", type=int_at_least(1), default=300, help="pre-training steps of each variant")
-    parser.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)], help="pre-training corpus")
-    parser.add_argument("--glue-dir", default=str(Path(__file__).resolve().parents[3] / "shared" / "data" / "glue"),
-                        help="GLUE's task folders (RTE/, MRPC/, ...; default: ../shared/data/glue beside this repo)")
-    parser.add_argument("--output-dir", default="runs/ablation")
-    parser.add_argument("--num-gpus", type=int_at_least(1), default=2, help="ranks per node (CPU ranks on a machine without GPUs)")
-    parser.add_argument("--master-port", type=int, default=29511)
-    parser.add_argument("--deepspeed_config")
-    parser.add_argument("--init-from", help="continue each variant's pre-training from this HF checkpoint, as the paper "
-                        "did from public ones (ELECTRA: a folder with generator/ and discriminator/)")
-    parser.add_argument("--micro-batch-size", type=int_at_least(1))
-    parser.add_argument("--seq-len", type=int_at_least(3), default=128)
-    parser.add_argument("--seed", type=int_at_least(0), default=42)
-    parser.add_argument("--epochs", type=int_at_least(0), help="fine-tuning epochs (default: ELECTRA's per task)")
-    parser.add_argument("--lr", type=float_between(0), default=1e-4, help="fine-tuning learning rate")
-    parser.add_argument("--batch-size", type=int_at_least(1), default=32, help="fine-tuning batch size")
-    parser.add_argument("--max-train-samples", type=int_at_least(1), help="fine-tune on the first N training examples")
-    parser.set_defaults(func=_ablation)
+    ablation_args.add_parser(commands, _ablation)

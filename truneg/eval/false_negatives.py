@@ -210,7 +210,8 @@ def load_mlm(ref: CheckpointRef) -> BertForMaskedLM | ElectraForMaskedLM:
         return load_pretrained(BertForMaskedLM, ref.path, "checkpoint")
     if "ElectraForMaskedLM" in architectures:
         return load_pretrained(ElectraForMaskedLM, ref.path, "checkpoint")
-    raise UserError(f"{ref.path} holds a {architectures or 'model'} without an MLM head; pass a BERT MLM or an ELECTRA generator")
+    raise UserError(f"{ref.path} holds a {architectures or 'model'} without an MLM head; pass a BERT MLM or an ELECTRA "
+                    "generator")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,12 +250,14 @@ def evaluate(mlm: BertForMaskedLM | ElectraForMaskedLM, blocks: np.ndarray, toke
             logits = logits_of(mlm, hidden, positions)
             pred = logits.argmax(-1) if prediction == "argmax" else gumbel_max_sample(logits)
             corrected = hard_correction(gold, pred, lookup) & valid
-            for key, value in false_negative_counts(gold, pred, corrected, valid).items():  # the training metric's counter
+            # the training metric's counter
+            for key, value in false_negative_counts(gold, pred, corrected, valid).items():
                 setattr(counts, key, getattr(counts, key) + int(value))
             if len(cases) < max_cases and corrected.any():
                 for row, slot in corrected.nonzero().tolist()[: max_cases - len(cases)]:
                     gold_token = tokenizer.convert_ids_to_tokens(int(gold[row, slot]))
-                    context = original[row][original[row] != tokenizer.pad_token_id]  # a line/article sequence's [PAD] tail
+                    # a line/article sequence's [PAD] tail
+                    context = original[row][original[row] != tokenizer.pad_token_id]
                     cases.append(Case(tokenizer.convert_ids_to_tokens(context.tolist()), int(positions[row, slot]),
                                       gold_token, tokenizer.convert_ids_to_tokens(int(pred[row, slot])),
                                       table.synonyms_of(gold_token) if table is not None else []))
@@ -267,12 +270,14 @@ def evaluate(mlm: BertForMaskedLM | ElectraForMaskedLM, blocks: np.ndarray, toke
 
 
 def format_table(results: list[FnCounts]) -> str:
-    header = f"{'checkpoint':<48} {'step':>7} {'segments':>12} {'seqs':>7} {'masked':>8} {'mismatch':>9} {'FN':>6} {'iter %':>7} {'pred %':>7}"
+    header = (f"{'checkpoint':<48} {'step':>7} {'segments':>12} {'seqs':>7} {'masked':>8} {'mismatch':>9} {'FN':>6} "
+              f"{'iter %':>7} {'pred %':>7}")
     lines = [header, "-" * len(header)]
     for r in results:
         name = r.checkpoint if len(r.checkpoint) <= 48 else "..." + r.checkpoint[-45:]
         segments = f"{r.segmentation}/{r.seq_len}"
-        lines.append(f"{name:<48} {r.step:>7} {segments:>12} {r.sequences:>7} {r.masked:>8} {r.mismatched:>9} {r.corrected:>6} "
+        lines.append(f"{name:<48} {r.step:>7} {segments:>12} {r.sequences:>7} {r.masked:>8} {r.mismatched:>9} "
+                     f"{r.corrected:>6} "
                      f"{100 * r.iter_ratio:>7.2f} {100 * r.pred_ratio:>7.3f}")
     return "\n".join(lines)
 

@@ -3,9 +3,10 @@
     truneg finetune glue --task rte --model runs/demo/hf --data-dir ../shared/data/glue/RTE --output-dir runs/rte
 
 Reads GLUE's own TSV files (MRPC's header has a BOM, CoLA has no header, STS-B is a regression, MNLI
-has matched and mismatched dev sets). Defaults are ELECTRA's published fine-tuning hyper-parameters:
-AdamW (eps 1e-6, weight decay 0.01), linear warmup over 10 % then decay, batch 32, seq 128, layer-wise
-learning-rate decay 0.8, 3 epochs (10 for RTE and STS-B). Metrics come from scikit-learn and scipy.
+has matched and mismatched dev sets). The optimizer is ELECTRA's: AdamW (eps 1e-6, weight decay 0.01), linear
+warmup then decay. `finetune`'s own defaults are ELECTRA-base's recipe (lr 1e-4, layer-wise decay 0.8, batch 32,
+seq 128, 3 epochs, 10 for RTE and STS-B); the CLI and the ablation take the model's recipe by family and size
+(truneg.eval.recipes). Metrics come from scikit-learn and scipy.
 
 Training is HF's `Trainer` (`build_trainer`, shared with SQuAD): the layer-wise groups come from its
 `create_optimizer` hook, `--deepspeed_config` goes through its DeepSpeed integration, and its tqdm bar
@@ -38,6 +39,7 @@ from transformers import (
 from transformers.trainer_callback import ProgressCallback
 
 from truneg.errors import UserError
+from truneg.model import hub
 from truneg.model.presets import load_pretrained
 from truneg.model.pretrainers import decays
 from truneg.train.distributed import init_distributed
@@ -81,7 +83,8 @@ def read_tsv(path: Path, task: Task) -> list[tuple[str, str | None, float | int]
     try:
         return _read_rows(path, task)
     except UnicodeDecodeError as err:
-        raise UserError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); is it GLUE's {task.folder}?") from None
+        raise UserError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                        f"is it GLUE's {task.folder}?") from None
 
 
 def _read_rows(path: Path, task: Task) -> list[tuple[str, str | None, float | int]]:
@@ -132,7 +135,8 @@ def main_metric(task_name: str) -> str:
 def compute_metrics(task_name: str, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """GLUE's official metrics, from scikit-learn and scipy."""
     if task_name == "stsb":
-        return {"pearson": float(pearsonr(predictions, labels)[0]), "spearmanr": float(spearmanr(predictions, labels)[0])}
+        return {"pearson": float(pearsonr(predictions, labels)[0]),
+                "spearmanr": float(spearmanr(predictions, labels)[0])}
     if task_name == "cola":
         return {"matthews_correlation": float(matthews_corrcoef(labels, predictions))}
     metrics = {"accuracy": float(accuracy_score(labels, predictions))}
@@ -142,12 +146,14 @@ def compute_metrics(task_name: str, predictions: np.ndarray, labels: np.ndarray)
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """An exported ELECTRA folder fine-tunes its discriminator; anything else is an HF model folder."""
-    model = Path(model)
+    """An exported ELECTRA folder fine-tunes its discriminator; anything else is an HF model folder, or a model name
+    of the HF hub (NAME[@REVISION]), resolved to its snapshot in the HF cache."""
+    model = hub.locate(str(model), "--model").path
     if (model / "discriminator" / "config.json").is_file():
         return model / "discriminator"
     if not (model / "config.json").is_file():
-        raise UserError(f"--model {model} holds no HF model (config.json); export a checkpoint with `truneg export` first")
+        raise UserError(f"--model {model} holds no HF model (config.json); export a checkpoint with `truneg export` "
+                        "first")
     # the files from_pretrained reads weights from
     weights = (utils.SAFE_WEIGHTS_NAME, utils.SAFE_WEIGHTS_INDEX_NAME, utils.WEIGHTS_NAME, utils.WEIGHTS_INDEX_NAME)
     if not any((model / name).is_file() for name in weights):
@@ -226,7 +232,8 @@ def _trainer_classes():
             if not state.is_world_process_zero or self.training_bar is None or not logs:
                 return
             if "loss" in logs:  # lr: the head's (Trainer logs the first group's, the embeddings')
-                lr = max(kwargs["lr_scheduler"].get_last_lr()) if kwargs.get("lr_scheduler") else logs.get("learning_rate", 0.0)
+                scheduler = kwargs.get("lr_scheduler")
+                lr = max(scheduler.get_last_lr()) if scheduler else logs.get("learning_rate", 0.0)
                 self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{lr:.2e}")
             scores = {k[len("eval_"):]: v for k, v in logs.items() if k.startswith("eval_") and
                       not k.endswith(("_runtime", "_per_second"))}
@@ -294,7 +301,8 @@ class _Examples(torch.utils.data.Dataset):
         return {**{k: v[i] for k, v in self.enc.items()}, "labels": self.labels[i]}
 
 
-def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output_dir: str | Path, epochs: int | None = None,
+def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output_dir: str | Path,
+             epochs: int | None = None,
              lr: float = 1e-4, batch_size: int = 32, max_seq_len: int = 128, max_train_samples: int | None = None,
              seed: int = 42, warmup_ratio: float = 0.1, weight_decay: float = 0.01, layerwise_decay: float = 0.8,
              deepspeed_config: str | None = None) -> dict:
@@ -322,8 +330,10 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
 
     eval_sets = {Path(name).stem: _Examples(tokenizer, rows, max_seq_len) for name, rows in dev_sets.items()}
     trainer = build_trainer(model, tokenizer, _Examples(tokenizer, train_rows, max_seq_len), eval_sets, scores,
-                            output_dir, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed, warmup_ratio=warmup_ratio,
-                            weight_decay=weight_decay, layerwise_decay=layerwise_decay, deepspeed_config=deepspeed_config)
+                            output_dir, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
+                            warmup_ratio=warmup_ratio,
+                            weight_decay=weight_decay, layerwise_decay=layerwise_decay,
+                            deepspeed_config=deepspeed_config)
     logged = train_and_score(trainer, epochs)
     metrics: dict[str, float] = {}
     for name in dev_sets:

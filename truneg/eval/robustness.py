@@ -299,7 +299,8 @@ def evaluate_glue(task_name: str, model_dir: str | Path, data_dir: str | Path, o
         predictions = classify(model, tokenizer, subset, regression, max_len=max_seq_len)
         scores[name] = 100 * compute_metrics(task_name, predictions, np.array([r[2] for r in subset]))[metric]
     results = {"task": task_name, "transform": "SwapSynWordNet", "metric": metric, **scores,
-               "drop": scores["original"] - scores["transformed"], "examples": len(index), "dropped_out": len(rows) - len(index),
+               "drop": scores["original"] - scores["transformed"], "examples": len(index),
+               "dropped_out": len(rows) - len(index),
                "seed": seed}
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     (Path(output_dir) / "robustness.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
@@ -328,7 +329,8 @@ def evaluate_squad(model_dir: str | Path, dev_file: str | Path, output_dir: str 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_pretrained(AutoModelForQuestionAnswering, model_dir, "--model").to(_device())
     scores = {name: evaluate_predictions(data, predict_answers(model, tokenizer, data, max_seq_len, doc_stride))
-              for name, data in (("original", [examples[i] for i in kept]), ("transformed", [transformed[i] for i in kept]))}
+              for name, data in (("original", [examples[i] for i in kept]),
+                                 ("transformed", [transformed[i] for i in kept]))}
     results = {"transform": SQUAD_ATTACKS[attack], **{f"{k}_{m}": v for k, d in scores.items() for m, v in d.items()},
                "drop_f1": scores["original"]["f1"] - scores["transformed"]["f1"],
                "drop_exact_match": scores["original"]["exact_match"] - scores["transformed"]["exact_match"],

@@ -214,7 +214,7 @@ def finetune_squad(model_dir: str | Path, train_file: str | Path, dev_file: str 
                    epochs: int = 2, lr: float = 1e-4, batch_size: int = 32,
                    max_seq_len: int = 384, doc_stride: int = 128, max_train_samples: int | None = None,
                    max_eval_samples: int | None = None, seed: int = 42, layerwise_decay: float = 0.8,
-                   deepspeed_config: str | None = None) -> dict:
+                   deepspeed_config: str | None = None, warmup_ratio: float = 0.1) -> dict:
     """Fine-tune on HF's Trainer (glue.build_trainer: the same recipe) and score dev; writes results.json,
     predictions.json and the model."""
     check_doc_stride(max_seq_len, doc_stride)
@@ -231,13 +231,15 @@ def finetune_squad(model_dir: str | Path, train_file: str | Path, dev_file: str 
     dev_feats = features(tokenizer, dev_examples, max_seq_len, doc_stride, train=True)
     scorer = _SquadScorer(dev_examples, dev_feats)
     output_dir = Path(output_dir)
-    trainer = build_trainer(model, tokenizer, train, {"dev": _Features(dev_feats)}, scorer, output_dir, epochs=epochs, lr=lr,
+    trainer = build_trainer(model, tokenizer, train, {"dev": _Features(dev_feats)}, scorer, output_dir, epochs=epochs,
+                            lr=lr,
                             batch_size=batch_size, seed=seed, layerwise_decay=layerwise_decay,
-                            deepspeed_config=deepspeed_config)
+                            warmup_ratio=warmup_ratio, deepspeed_config=deepspeed_config)
     logged = train_and_score(trainer, epochs)
     results = {"model": str(model_dir), "exact_match": logged["eval_dev_exact_match"], "f1": logged["eval_dev_f1"],
                "train_samples": len(train_examples), "eval_samples": len(dev_examples), "epochs": epochs, "lr": lr,
-               "seed": seed}
+               "batch_size": batch_size, "layerwise_decay": layerwise_decay, "warmup_ratio": warmup_ratio,
+               "max_seq_len": max_seq_len, "doc_stride": doc_stride, "seed": seed}
     trainer.save_model(str(output_dir / "model"))
     if trainer.is_world_process_zero():
         output_dir.mkdir(parents=True, exist_ok=True)

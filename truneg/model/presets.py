@@ -59,14 +59,17 @@ def is_electra_checkpoint(root: Path) -> bool:
     return (root / "discriminator" / "config.json").is_file()
 
 
-def matching_preset(root: Path) -> str | None:
+def matching_preset(root: Path, electra: bool | None = None) -> str | None:
     """The preset whose sizes an --init-from checkpoint has, read from its config.json alone (no weights);
-    None when none matches or the config cannot be read."""
-    electra = is_electra_checkpoint(root)
+    None when none matches or the config cannot be read. `electra` True: a discriminator's own folder (the
+    --init-generator form); None: told by the folder's layout."""
+    folder = is_electra_checkpoint(root)
     try:
-        config = json.loads((root / "discriminator" / "config.json" if electra else root / "config.json").read_text())
+        config = json.loads((root / "discriminator" / "config.json" if folder else root / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    if electra is None:  # (an ELECTRA discriminator alone has BERT-base's sizes: its model_type tells them apart)
+        electra = folder or config.get("model_type") == "electra"
     return next((name for name in PRESETS if is_electra(name) == electra
                  and all(config.get(k) == v for k, v in preset_sizes(name).items())), None)
 
@@ -89,18 +92,19 @@ def load_pretrained(cls, path: str | Path, flag: str, **kwargs):
                         "another folder") from None
 
 
-def from_pretrained_with_head(cls, path: Path):
+def from_pretrained_with_head(cls, path: Path, flag: str = "--init-from") -> tuple:
+    """(the model, the checkpoint's weights it does not hold: a BertForPreTraining's pooler, ...)."""
     if not (path / "config.json").is_file():
         raise UserError(
-            f"--init-from: {path} holds no HF model (config.json); pass an exported truneg folder "
+            f"{flag}: {path} holds no HF model (config.json); pass an exported truneg folder "
             "(with generator/ and discriminator/ for ELECTRA) or an HF model folder"
         )
-    model, info = load_pretrained(cls, path, "--init-from", attn_implementation="sdpa", output_loading_info=True)
+    model, info = load_pretrained(cls, path, flag, attn_implementation="sdpa", output_loading_info=True)
     # A checkpoint of another class (a BertModel, a classifier) loads with its head missing, which HF only logs:
     # pre-training would go on from a random head.
     missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]
     if missing:
-        raise UserError(f"--init-from: {path} lacks {len(missing)} weights of {cls.__name__} ({', '.join(missing[:3])}"
+        raise UserError(f"{flag}: {path} lacks {len(missing)} weights of {cls.__name__} ({', '.join(missing[:3])}"
                         f"{', ...' if len(missing) > 3 else ''}), which would start random; pass a checkpoint with the "
                         "pre-training head (a BertForMaskedLM / BertForPreTraining, or `truneg export`'s folder)")
-    return model
+    return model, set(info["unexpected_keys"])

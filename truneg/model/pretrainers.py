@@ -16,6 +16,7 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
 from truneg.errors import UserError
+from truneg.model.carried import load_pooler
 from truneg.model.objectives import (
     DISCRIMINATOR_WEIGHT,
     discriminator_loss,
@@ -26,6 +27,13 @@ from truneg.model.objectives import (
     replaced_token_labels,
     sentence_regularization,
     soft_regularization,
+)
+from truneg.model.pair import (
+    check_electra_folder,
+    check_tieable,
+    differing_embeddings,
+    note_kept_copy,
+    refuse_lone_electra,
 )
 from truneg.model.presets import (
     BERT_PRESETS,
@@ -62,7 +70,8 @@ def bert_masked_logits(mlm: BertForMaskedLM, hidden: torch.Tensor, positions: to
     return mlm.cls(gather_positions(hidden, positions))
 
 
-def generator_masked_logits(generator: ElectraForMaskedLM, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def generator_masked_logits(generator: ElectraForMaskedLM, hidden: torch.Tensor,
+                            positions: torch.Tensor) -> torch.Tensor:
     return generator.generator_lm_head(generator.generator_predictions(gather_positions(hidden, positions)))
 
 
@@ -99,7 +108,8 @@ class _Pretrainer(nn.Module):
             # [PAD]'s row is not trained through lookups and stays near zero, where the cosine's gradient grows
             # like 1 / |row|: a predicted [PAD] is left out (the objective itself leaves out an exact zero row)
             pad = self.word_embeddings.padding_idx
-            sr = soft_regularization(self.word_embeddings.weight, gold, pred, valid if pad is None else valid & (pred != pad))
+            sr = soft_regularization(self.word_embeddings.weight, gold, pred,
+                                     valid if pad is None else valid & (pred != pad))
         else:
             sr = sentence_regularization(*sentence_pair())
         stats["sr_loss"] = sr.detach()
@@ -111,9 +121,12 @@ class BertPretrainer(_Pretrainer):
 
     scheme = "bert"
 
-    def __init__(self, mlm: BertForMaskedLM, objective: ObjectiveConfig):
+    def __init__(self, mlm: BertForMaskedLM, objective: ObjectiveConfig, pooler: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.mlm = mlm
+        # A continued checkpoint's pooler (carried.py): a plain dict, so neither a parameter of the engine nor
+        # moved or cast with the module.
+        self.pooler = pooler
         self.set_objective(objective)
 
     @property
@@ -188,7 +201,8 @@ class ElectraPretrainer(_Pretrainer):
         disc_input = _fill(input_ids, masked_positions, masked_valid, sample)
         corrected_sample = corrected if pred is sample else _correct(gold, sample, masked_valid, self.hc_lookup)
         corrected_full = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, masked_positions, corrected_sample)
-        disc_labels = replaced_token_labels(disc_input, original_ids, corrected_full if self.hc_lookup is not None else None)
+        disc_labels = replaced_token_labels(disc_input, original_ids,
+                                            corrected_full if self.hc_lookup is not None else None)
         disc_hidden = self.discriminator.electra(input_ids=disc_input, attention_mask=attention_mask).last_hidden_state
         disc_logits = self.discriminator.discriminator_predictions(disc_hidden)
         disc_loss = discriminator_loss(disc_logits, disc_labels, attention_mask)
@@ -223,15 +237,17 @@ def build_pretrainer(
     init_from: str | Path | None = None,
     dropout: float | None = None,
     vocab_size: int = VOCAB_SIZE,
+    init_generator: str | Path | None = None,
 ) -> BertPretrainer | ElectraPretrainer:
-    """A fresh model of a preset, or one continued from an HF checkpoint (`--init-from`).
+    """A fresh model of a preset, or one continued from an HF checkpoint folder (`--init-from`; with
+    `init_generator`, ELECTRA's discriminator there and its generator in that folder).
 
     `dropout` None keeps the checkpoint's own dropout (0.1 for a fresh model); `vocab_size` follows the
     tokenizer, so that no id a smaller vocab cannot produce has a row. With `init_from`, `preset` None takes
     the checkpoint's architecture, and a preset that contradicts it is refused.
     """
     if init_from:
-        model = _continued(preset, Path(init_from), objective)
+        model = _continued(preset, Path(init_from), objective, Path(init_generator) if init_generator else None)
         rows = architecture(model)["vocab_size"]
         if vocab_size > rows:  # masking would draw ids past the embedding table
             raise UserError(f"the tokenizer has {vocab_size} tokens, --init-from's embeddings {rows} rows; pass "
@@ -252,26 +268,46 @@ def build_pretrainer(
     return ElectraPretrainer(generator, discriminator, objective)
 
 
-def _continued(preset: str | None, root: Path, objective: ObjectiveConfig) -> BertPretrainer | ElectraPretrainer:
-    electra = is_electra_checkpoint(root)
+def _continued(preset: str | None, root: Path, objective: ObjectiveConfig,
+               generator_root: Path | None = None) -> BertPretrainer | ElectraPretrainer:
+    electra = is_electra_checkpoint(root) or generator_root is not None
+    if not electra:
+        refuse_lone_electra(root)  # before --model's check, which would call it a BERT checkpoint
+    if generator_root is not None and is_electra_checkpoint(root):
+        raise UserError(f"--init-from {root} holds its own generator/ beside discriminator/; drop --init-generator, "
+                        "or pass --init-from the discriminator's folder")
     if preset is not None:
         check_preset(preset)
         if is_electra(preset) != electra:
             raise UserError(f"--model {preset} contradicts --init-from {root}, which holds "
-                            f"{'an ELECTRA' if electra else 'a BERT'} checkpoint; drop --model or pass a matching preset")
-    if electra:
-        generator = from_pretrained_with_head(ElectraForMaskedLM, root / "generator")
-        discriminator = from_pretrained_with_head(ElectraForPreTraining, root / "discriminator")
+                            f"{'an ELECTRA' if electra else 'a BERT'} checkpoint; drop --model or pass a matching "
+                            "preset")
+    if generator_root is not None:  # the public pair: two folders (or hub names), tied into one embedding
+        check_electra_folder(root, "--init-from")
+        check_electra_folder(generator_root, "--init-generator")
+        generator, _ = from_pretrained_with_head(ElectraForMaskedLM, generator_root, "--init-generator")
+        discriminator, _ = from_pretrained_with_head(ElectraForPreTraining, root)
+        check_tieable(generator, discriminator, (str(generator_root), str(root)))
+        note_kept_copy(differing_embeddings(generator, discriminator))
+        model = ElectraPretrainer(generator, discriminator, objective)
+        config = discriminator.config
+    elif electra:
+        generator, _ = from_pretrained_with_head(ElectraForMaskedLM, root / "generator")
+        discriminator, _ = from_pretrained_with_head(ElectraForPreTraining, root / "discriminator")
+        check_tieable(generator, discriminator, (str(root / "generator"), str(root / "discriminator")))
+        note_kept_copy(differing_embeddings(generator, discriminator))  # a folder assembled by hand, say
         model = ElectraPretrainer(generator, discriminator, objective)
         config = discriminator.config
     else:
-        model = BertPretrainer(from_pretrained_with_head(BertForMaskedLM, root), objective)
+        mlm, unexpected = from_pretrained_with_head(BertForMaskedLM, root)
+        model = BertPretrainer(mlm, objective, pooler=load_pooler(root, mlm.config, unexpected))
         config = model.mlm.config
     if preset is not None:
         loaded, wanted = {k: getattr(config, k) for k in SIZE_KEYS}, preset_sizes(preset)
         if loaded != wanted:
-            raise UserError(f"--model {preset} ({wanted['num_hidden_layers']} layers x {wanted['hidden_size']}) contradicts "
-                            f"--init-from {root} ({loaded['num_hidden_layers']} x {loaded['hidden_size']}); "
+            raise UserError(f"--model {preset} ({wanted['num_hidden_layers']} layers x {wanted['hidden_size']}) "
+                            f"contradicts --init-from {root} "
+                            f"({loaded['num_hidden_layers']} x {loaded['hidden_size']}); "
                             "drop --model to train the checkpoint's own architecture")
     # HF's from_pretrained returns its models in eval mode, and DeepSpeed's engine never calls train(): without
     # this a continued run would pre-train with every dropout layer off

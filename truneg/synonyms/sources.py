@@ -161,7 +161,8 @@ def build_from_embeddings(
         r, c = keep.nonzero(as_tuple=True)
         rows.append(ids[start + r.numpy()])
         cols.append(ids[neighbours[r, c].numpy()])
-    options = {"top_k": top_k, "min_cosine": min_cosine, "embeddings": str(embeddings) if not isinstance(embeddings, np.ndarray) else "array"}
+    options = {"top_k": top_k, "min_cosine": min_cosine,
+               "embeddings": str(embeddings) if not isinstance(embeddings, np.ndarray) else "array"}
     return SynonymTable.from_arrays(np.concatenate(rows), np.concatenate(cols), tokens, "embedding", options)
 
 

@@ -2,7 +2,8 @@
 
 A table is CSR over the vocabulary: row `w` lists, sorted, the token ids that are synonyms of `w`
 (never `w` itself). It is built from WordNet (through nltk), from embedding nearest neighbours, or from
-a user's TSV (truneg/synonyms/sources.py), and saved as `.npz` together with the vocab's sha256, the source and the options.
+a user's TSV (truneg/synonyms/sources.py), and saved as `.npz` together with the vocab's sha256, the source and
+the options.
 `SynonymLookup` turns it into sorted int64 keys `row * V + col` on the device, so membership is one
 `torch.searchsorted` with no host sync.
 """
@@ -41,7 +42,8 @@ def read_vocab(path: str | Path) -> list[str]:
     try:
         tokens = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as err:
-        raise UserError(f"vocab file {path} is not UTF-8 text ({err.reason} at byte {err.start}); pass a BERT vocab.txt") from None
+        raise UserError(f"vocab file {path} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                        "pass a BERT vocab.txt") from None
     if tokens and tokens[-1] == "":
         tokens.pop()
     if not tokens:

@@ -6,15 +6,19 @@ import os
 from pathlib import Path
 
 import deepspeed
+from deepspeed.constants import default_pg_timeout
 
 from truneg.data.blocks import DEFAULT_TOKENIZER, DEMO_CORPUS
 from truneg.errors import UserError, check_output_path, out_of_range
+from truneg.model.compile import COMPILE_MODES, DEFAULT_MODE
+from truneg.model.hub import folder_or_cached
 from truneg.model.presets import (
     DEFAULT_PRESET,
     ELECTRA_PRESETS,
     MAX_POSITIONS,
     PRESETS,
     check_preset,
+    is_electra,
     is_electra_checkpoint,
 )
 
@@ -28,6 +32,9 @@ USAGE = """Pre-train BERT (MLM) or ELECTRA (RTD) on DeepSpeed, with the paper's 
 Output (under --output-dir): checkpoints/ (DeepSpeed's layout, `latest`), tensorboard/, metrics.jsonl.
 """
 DEFAULT_OUTPUT_DIR = "runs/pretrain"
+# Far above a normal step (BERT-large's takes about a second on GPUs), below DeepSpeed's 10-minute collective timeout.
+DEFAULT_STEP_TIMEOUT_S = 300.0
+DEFAULT_REPLICA_CHECK_STEPS = 100  # cost: docs/performance.md
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,17 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default: electra-tiny, or with --init-from "
                         "the checkpoint's own architecture)")
     parser.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)],
-                        help="text files, folders or globs (blank lines separate documents), or hf:NAME[:CONFIG][@SPLIT]#COLUMN")
-    parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer folder (default: bert-base-uncased)")
+                        help="text files, folders or globs (blank lines separate documents), or "
+                             "hf:NAME[:CONFIG][@SPLIT]#COLUMN")
+    parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER),
+                        help="tokenizer folder (default: bert-base-uncased)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
-    parser.add_argument("--save-steps", type=int, default=100, help="0: no periodic checkpoints (benchmarks; a SIGTERM still saves)")
+    parser.add_argument("--save-steps", type=int, default=100,
+                        help="0: no periodic checkpoints (benchmarks; a SIGTERM still saves)")
     parser.add_argument("--log-steps", type=int, default=10)
     parser.add_argument("--output-dir", type=Path, default=Path(DEFAULT_OUTPUT_DIR))
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--init-from", help="continue pre-training from an HF checkpoint folder")
-    parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in --output-dir, if any) | none | DIR")
-    parser.add_argument("--overwrite", action="store_true", help="start afresh in an --output-dir that holds another run")
+    parser.add_argument("--init-from", help="continue pre-training from an HF checkpoint: a folder, or a model name "
+                        "of the HF hub (NAME[@REVISION], resolved through the HF cache; HF_HUB_OFFLINE honoured)")
+    parser.add_argument("--init-generator",
+                        help="ELECTRA from two checkpoints: --init-from is the discriminator (ElectraForPreTraining), "
+                             "this the generator (ElectraForMaskedLM), each a folder or a hub name; one embedding "
+                             "is kept, the discriminator's")
+    parser.add_argument("--resume", default="auto",
+                        help="auto (latest checkpoint in --output-dir, if any) | none | DIR")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an --output-dir that holds another run")
     parser.add_argument("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu")
     parser.add_argument("--gradient-accumulation-steps", type=int, help="override gradient_accumulation_steps")
     parser.add_argument("--lr", type=float, help="override the optimizer's (and the warmup's peak) learning rate")
@@ -65,21 +82,51 @@ def build_parser() -> argparse.ArgumentParser:
                         help="masked positions per sequence, at most (default: 15%% of --seq-len rounded up to 4: "
                              "20 at 128, 80 at 512)")
     parser.add_argument("--max-nonfinite-steps", type=int, default=10,
-                        help="stop after this many optimizer steps in a row skipped for non-finite losses (any precision)")
-    parser.add_argument("--cache-dir", type=Path, help="tokenized-corpus cache (default: $TRUNEG_CACHE or ~/.cache/truneg)")
+                        help="stop after this many optimizer steps in a row skipped for non-finite losses (any "
+                             "precision)")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="tokenized-corpus cache (default: $TRUNEG_CACHE or ~/.cache/truneg)")
     parser.add_argument("--num-proc", type=int, help="tokenizer processes")
     parser.add_argument("--data-workers", type=int,
                         help="DataLoader workers that read and mask ahead (default: 2 on GPUs, 0 on CPU ranks)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed's engine.compile)")
+    parser.add_argument("--compile", nargs="?", const=DEFAULT_MODE, choices=COMPILE_MODES,
+                        help="torch.compile: layers (the bare flag: each encoder layer, the embeddings and the heads "
+                             "in place) | whole (the pre-trainer at once, DeepSpeed's engine.compile)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser.add_argument("--keep-checkpoints", type=int, default=0,
                         help="keep only the newest N complete checkpoints (0: keep all)")
+    parser.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                        help="seconds a training step may take (a launch's first, the saves and a resume's load: the "
+                             "collective timeout less a minute; a universal conversion is not timed) "
+                             "before every rank writes its stack and the run stops, naming the ranks behind; 0: off; "
+                             "below the collective timeout (DEEPSPEED_TIMEOUT, minutes)")
+    parser.add_argument("--replica-check-steps", type=int, default=DEFAULT_REPLICA_CHECK_STEPS,
+                        help="compare the data-parallel replicas' weights every N steps and before each checkpoint "
+                             "(0: off)")
     return deepspeed.add_config_arguments(parser)
 
 
+def step_timeout_problem(seconds: float) -> str | None:
+    """--step-timeout must stop a hung run before the collective timeout does (which says nothing of who hung)."""
+    if problem := out_of_range(seconds, 0):
+        return f"--step-timeout {problem}"
+    collective = default_pg_timeout.total_seconds()
+    if seconds >= collective:
+        return (f"--step-timeout {seconds:g} is not below the collective timeout ({collective:g} s, DEEPSPEED_TIMEOUT="
+                f"{collective / 60:g} minutes), which would stop the run first without naming the rank behind; pass a "
+                "smaller one, or raise the collective timeout with it: export "
+                f"DEEPSPEED_TIMEOUT={int(seconds // 60) + 5}")
+    return None
+
+
 def _is_electra_run(args: argparse.Namespace) -> bool:
-    if args.init_from and Path(args.init_from).is_dir():
-        return is_electra_checkpoint(Path(args.init_from))
+    if getattr(args, "init_generator", None):
+        return True
+    folder = folder_or_cached(args.init_from) if args.init_from else None
+    if folder is not None:
+        return is_electra_checkpoint(folder)
+    if args.init_from:  # a hub name not downloaded yet: of no known kind but --model's (not the default preset's)
+        return args.model in ELECTRA_PRESETS
     return (args.model or DEFAULT_PRESET) in ELECTRA_PRESETS
 
 
@@ -88,9 +135,11 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     # (--micro-batch-size and --gradient-accumulation-steps are checked with the config's own values, in
     # config.resolve_batch_sizes; --num-proc 0 means every CPU)
     floors = {"seq_len": 1, "max_steps": 1, "log_steps": 1, "max_nonfinite_steps": 1, "save_steps": 0,
-              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0, "seed": 0}
+              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0, "seed": 0, "replica_check_steps": 0}
     problems = [f"--{name.replace('_', '-')} {problem}" for name, least in floors.items()
                 if getattr(args, name) is not None and (problem := out_of_range(getattr(args, name), least))]
+    if problem := step_timeout_problem(args.step_timeout):
+        problems.append(problem)
     if args.model is not None:
         try:
             check_preset(args.model)
@@ -99,7 +148,8 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     if args.max_predictions is not None and not 1 <= args.max_predictions <= args.seq_len:
         problems.append(f"--max-predictions {args.max_predictions} must be between 1 and --seq-len {args.seq_len}")
     if args.seq_len > MAX_POSITIONS:
-        problems.append(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use {MAX_POSITIONS} "
+        problems.append(f"--seq-len {args.seq_len} is beyond the model's {MAX_POSITIONS} positions; use "
+                        f"{MAX_POSITIONS} "
                         "or less")
     if args.dropout is not None and (problem := out_of_range(args.dropout, 0, 1, high_open=True)):
         problems.append(f"--dropout {problem}")
@@ -115,6 +165,10 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     if args.sr_sent_target is not None and _is_electra_run(args):
         problems.append(f"--sr-sent-target {args.sr_sent_target} is for BERT: ELECTRA's --sr sent always encodes the "
                         "original sentence (its discriminator never sees [MASK]); drop the flag")
+    if args.init_generator and not args.init_from:
+        problems.append("--init-generator is the generator beside --init-from's discriminator: pass --init-from too")
+    elif args.init_generator and args.model is not None and not is_electra(args.model):
+        problems.append(f"--init-generator makes an ELECTRA run, --model {args.model} a BERT one; drop one of them")
     if args.overwrite and args.resume not in ("auto", "none"):  # it would start afresh, the checkpoint unread
         problems.append(f"--overwrite starts afresh, --resume {args.resume} continues a checkpoint: to continue it in "
                         "a folder that holds another run, choose an empty --output-dir instead")

@@ -13,12 +13,15 @@ from deepspeed.accelerator import get_accelerator
 
 from truneg.data.blocks import ensure_prepared, load_tokenizer, open_prepared
 from truneg.errors import UserError
+from truneg.model import hub
+from truneg.model.compile import compile_layers
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, parameter_groups
 from truneg.synonyms.sources import build_from_embeddings, build_from_wordnet
 from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable, vocab_sha256
 from truneg.train import checkpoint, distributed
 from truneg.train.args import parse_args
 from truneg.train.checks import deepspeed_optimizer, resolve_config, start_problems
+from truneg.train.fused_grads import fuse_bf16_grad_accumulation
 from truneg.train.run_config import HC_SOURCES, RunConfig
 
 if TYPE_CHECKING:
@@ -118,8 +121,8 @@ def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Synonym
             return shipped
         table = build_from_wordnet(tokens)  # another vocab: about 3 s
         if table.num_entries == 0:
-            raise UserError(f"--hc wordnet: no word of the vocab of --tokenizer {cfg.tokenizer} has a WordNet synonym in "
-                            "it, so HC would correct nothing; it needs whole words as tokens (WordPiece, as BERT's)")
+            raise UserError(f"--hc wordnet: no word of the vocab of --tokenizer {cfg.tokenizer} has a WordNet synonym "
+                            "in it, so HC would correct nothing; it needs whole words as tokens (WordPiece, as BERT's)")
         return table
     if cfg.hc == "embedding":
         if not cfg.hc_embeddings:
@@ -135,12 +138,57 @@ def table_fingerprint(table: SynonymTable | None) -> str | None:
     return None if table is None else table.content_sha256
 
 
-def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int) -> torch.nn.Module:
+# The run's checkpoint flags: RunConfig field -> flag, and the run record's field for a hub name's commit.
+INIT_FLAGS = {"init_from": ("--init-from", "init_revision"),
+              "init_generator": ("--init-generator", "init_generator_revision")}
+
+
+def locate_on_each_node(spec: str, flag: str) -> hub.Checkpoint:
+    """A collective: a folder, or a hub name's snapshot in the HF cache. Rank 0 resolves the name first (downloading
+    what its cache lacks), and every rank then takes that commit: the other nodes' local rank 0 next (downloading
+    only what their node's cache lacks: nothing where the HF cache is shared, so no two nodes write one file), then
+    the other ranks from their node's cache only. One download per node at most, never one per rank, and one commit
+    on every rank even if the hub's branch moves meanwhile."""
+    rank, first = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)) == 0
+    found: list[hub.Checkpoint] = []
+    distributed.on_every_rank(lambda: found.extend([hub.locate(spec, flag)] if rank == 0 else []), f"resolve {flag}")
+    commit = [found[0].revision if found else None]
+    dist.broadcast_object_list(commit, src=0)
+    pinned = spec if commit[0] is None else f"{hub.split_revision(spec)[0]}@{commit[0]}"
+    distributed.on_every_rank(lambda: found.extend([hub.locate(pinned, flag)] if first and rank != 0 else []),
+                              f"resolve {flag} on each node")
+    distributed.on_every_rank(lambda: found.extend([] if first else [hub.locate(pinned, flag, cache_only=True)]),
+                              f"resolve {flag} from the node's HF cache")
+    commits = [None] * dist.get_world_size()
+    dist.all_gather_object(commits, found[0].revision)
+    if len(set(commits)) > 1:  # a folder on rank 0's node, and no such folder elsewhere (or the other way round)
+        raise UserError(f"{flag} {spec} is a folder on some nodes and a hub name on others (no such folder there): "
+                        "pass an absolute path every node sees, or a hub name that no node holds as a folder")
+    return hub.Checkpoint(spec, found[0].path, found[0].revision)
+
+
+def locate_init(cfg: RunConfig) -> dict[str, hub.Checkpoint]:
+    """The run's checkpoints to start from (--init-from ...) as folders: {RunConfig field: Checkpoint}."""
+    return {field: locate_on_each_node(getattr(cfg, field), flag) for field, (flag, _) in INIT_FLAGS.items()
+            if getattr(cfg, field)}
+
+
+def init_record(init: dict[str, hub.Checkpoint]) -> dict:
+    """The run record's commits of the hub names among them (a folder has none)."""
+    return {INIT_FLAGS[field][1]: found.revision for field, found in init.items() if found.is_hub}
+
+
+def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int,
+                init: dict[str, hub.Checkpoint] | None = None) -> torch.nn.Module:
+    """The model of the run; `init` is locate_init's (the folders of a run started from checkpoints)."""
     lookup = None if table is None else SynonymLookup(table)
     objective = ObjectiveConfig(hc_lookup=lookup, hc_prediction=cfg.hc_prediction, sr=cfg.sr, sr_weight=cfg.sr_weight,
                                 sr_sent_target=cfg.sr_sent_target)
     distributed.seed(cfg.seed)  # identical initial weights on every rank
-    return build_pretrainer(cfg.model, objective, cfg.init_from, cfg.dropout, vocab_size)
+    init = init or {}
+    folders = {field: init[field].path if field in init else getattr(cfg, field) for field in INIT_FLAGS}
+    return build_pretrainer(cfg.model, objective, folders["init_from"], cfg.dropout, vocab_size,
+                            init_generator=folders["init_generator"])
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, ds_config: dict) -> DeepSpeedEngine:
@@ -151,7 +199,10 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, ds_config: dict) -> Dee
     except (AssertionError, ValueError, TypeError) as err:  # its parser, and a value of the wrong type in a section
         # (betas as a string, ...) that reaches the optimizer it builds
         raise UserError(f"DeepSpeed rejected the config ({type(err).__name__}): {str(err)[:300]}") from None
-    if cfg.compile:
+    fuse_bf16_grad_accumulation(engine.optimizer)  # the bf16 recipes: one multi-tensor add a group, not one a parameter
+    if cfg.compile == "whole":
         # Static shapes (an exact number of masked positions, gathered): one graph, no recompiles.
         engine.compile(compile_kwargs={"dynamic": False})
+    elif cfg.compile == "layers":
+        compile_layers(engine.module)
     return engine

@@ -4,15 +4,16 @@ weights for HF models are export.py's.)
 
 DeepSpeed stores the module, the optimizer partitions, the LR scheduler and the step counters. It stores
 no RNG state or data position, and writes `client_state` from rank 0 only, so each rank also writes
-`truneg_rank{r}.pt` (RNG states, metric accumulator) beside the tag. The `latest` file is written by
-truneg, last, after every rank finished: a checkpoint killed half-way is never the one resumed.
+`truneg_rank{r}.pt` (RNG states, metric accumulator; plain types and tensors, read with weights_only=True) beside
+the tag. When every rank has finished, the ranks checksum the tag's files into its manifest (integrity.py); then
+truneg writes META and `latest`, last: a checkpoint killed half-way is never the one resumed.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -26,14 +27,15 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from truneg.errors import UserError
-from truneg.train.distributed import on_every_rank, on_rank_zero
+from truneg.train import integrity
+from truneg.train.distributed import on_rank_zero
 from truneg.train.run_config import CHECKPOINTS
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
 UNIVERSAL_INFO = {"universal_checkpoint_version": 0.2}
-META_FILE = "truneg_meta.json"
+META_FILE = integrity.META_FILE
 
 
 TAG_PREFIX = "global_step"
@@ -86,7 +88,8 @@ def resolve(path: str | Path) -> tuple[Path, str | None]:
         return path, None
     if path.is_dir() and ((path.parent / "latest").is_file() or (path.parent / HF_CONFIG_DIR).is_dir()):
         return path.parent, path.name
-    raise UserError(f"{path} is not a truneg checkpoint folder (no `latest`); pass <output-dir>/checkpoints or a tag in it")
+    raise UserError(f"{path} is not a truneg checkpoint folder (no `latest`); pass <output-dir>/checkpoints or a tag "
+                    "in it")
 
 
 def resolve_tag(path: str | Path) -> tuple[Path, str]:
@@ -94,12 +97,18 @@ def resolve_tag(path: str | Path) -> tuple[Path, str]:
     checkpoint_dir, tag = resolve(path)
     tag = tag or latest_tag(checkpoint_dir)
     if tag is None or not (checkpoint_dir / tag).is_dir():
-        raise UserError(f"checkpoint {checkpoint_dir / str(tag)} does not exist; pass a checkpoints folder or a tag in it")
+        raise UserError(f"checkpoint {checkpoint_dir / str(tag)} does not exist; pass a checkpoints folder or a tag in "
+                        "it")
     return checkpoint_dir, tag
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Plain types and tensors only, so that the rank's file loads with weights_only=True (numpy's state is an
+    array and a tuple of numpy scalars, which torch's safe unpickler refuses)."""
+    _, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                   "cached_gaussian": float(gauss)}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if get_accelerator().device_name() != "cpu":
         state["accelerator"] = get_accelerator().get_rng_state()
     return state
@@ -109,14 +118,18 @@ def set_rng_state(state: dict) -> None:
     """The states `rng_state` saved. A GPU checkpoint's accelerator state is left out on CPU ranks (the run goes
     on, not bitwise): DeepSpeed's CPU accelerator would load it into torch's CPU generator, which refuses it."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):  # else numpy's own tuple, as files written before held it
+        numpy_state = ("MT19937", numpy_state["key"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "accelerator" in state and get_accelerator().device_name() != "cpu":
         get_accelerator().set_rng_state(state["accelerator"])
 
 
 def universal_tag(tag: str) -> str:
-    return f"{tag}_universal"
+    return f"{tag}{integrity.UNIVERSAL_SUFFIX}"
 
 
 def saved_world_size(checkpoint_dir: Path, tag: str) -> int | None:
@@ -145,7 +158,7 @@ def convert_to_universal(checkpoint_dir: Path, tag: str) -> Path:
     return out
 
 
-RANK_STATE_PREFIX = "truneg_rank"
+RANK_STATE_PREFIX = integrity.RANK_STATE_PREFIX
 
 
 def rank_state_file(checkpoint_dir: Path, tag: str, rank: int) -> Path:
@@ -164,7 +177,9 @@ def save(engine: DeepSpeedEngine, checkpoint_dir: Path, step: int, client_state:
     state = {**client_state, "universal_checkpoint_info": UNIVERSAL_INFO}
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
     dist.barrier()
-    on_rank_zero(lambda: _commit(checkpoint_dir, tag, step, dist.get_world_size()), f"complete {checkpoint_dir / tag}")
+    manifest = integrity.hash_share(checkpoint_dir / tag)
+    on_rank_zero(lambda: _commit(checkpoint_dir, tag, step, dist.get_world_size(), manifest),
+                 f"complete {checkpoint_dir / tag}")
     return tag
 
 
@@ -188,9 +203,13 @@ def _point_latest(checkpoint_dir: Path, tag: str) -> None:
     os.replace(tmp, checkpoint_dir / "latest")  # atomic: `latest` names a complete checkpoint or the old one
 
 
-def _commit(checkpoint_dir: Path, tag: str, step: int, world_size: int) -> None:
-    """After every rank wrote its part: the tag's META, then `latest` (atomic: it names a complete checkpoint
-    or the old one)."""
+def _commit(checkpoint_dir: Path, tag: str, step: int, world_size: int, manifest: dict | str | None = None) -> None:
+    """After every rank wrote its part: the tag's manifest (integrity.hash_share's, or the line saying why a rank
+    could not checksum its share), its META, then `latest` (atomic: it names a complete checkpoint or the old one)."""
+    if isinstance(manifest, str):
+        raise UserError(manifest)
+    if manifest is not None:
+        integrity.write_manifest(checkpoint_dir / tag, manifest)
     meta = checkpoint_dir / tag / META_FILE
     tmp = meta.with_name(META_FILE + ".tmp")
     tmp.write_text(json.dumps({"step": step, "world_size": world_size}) + "\n", encoding="utf-8")
@@ -234,47 +253,12 @@ def _remove(folder: Path) -> None:
         shutil.rmtree(doomed)
 
 
-def _check_readable(files: list[Path], tag_dir: Path) -> None:
-    """Each file opens as torch.save wrote it: memory-mapped (its zip directory and pickle, not the tensors'
-    bytes), or read whole where that cannot be (a file in torch's legacy format, `checkpoint_serialization:
-    false`; a file system without mmap)."""
-    for path in files:
-        try:
-            try:
-                torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-            except Exception:
-                torch.load(path, map_location="cpu", weights_only=False)
-        except OSError as err:  # not the file's fault: permissions, memory, the file system
-            raise UserError(f"cannot read checkpoint {tag_dir}: {path.relative_to(tag_dir)}: {err}; check its "
-                            "permissions and file system, or resume from another tag with --resume DIR") from None
-        except Exception as err:  # a file cut short, or not torch.save's
-            raise UserError(f"cannot read checkpoint {tag_dir}: {path.relative_to(tag_dir)} is damaged "
-                            f"({type(err).__name__}: {str(err)[:200]}); resume from another tag with --resume DIR, "
-                            "or start afresh with --resume none --overwrite") from None
-
-
-def _files_to_load(tag_dir: Path, world_size: int, saved_world_size: int | None) -> list[Path]:
-    """The tag's files that a load on `world_size` ranks reads: its own *.pt (the ranks' RNG states only when the
-    tag was written by this world size: `load` ignores them otherwise) and, in a universal tag, those under zero/
-    (not ds_to_universal's leftover tmp/)."""
-    def read(path: Path) -> bool:
-        rank_state = re.fullmatch(rf"{RANK_STATE_PREFIX}(\d+)\.pt", path.name)
-        return rank_state is None or (saved_world_size == world_size and int(rank_state[1]) < world_size)
-
-    return sorted([p for p in tag_dir.glob("*.pt") if read(p)] + list(tag_dir.glob("zero/**/*.pt")))
-
-
 def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str, saved_world_size: int | None
          ) -> tuple[dict, dict | None]:
     """Load `tag`, written by `saved_world_size` ranks (its META; a universal tag keeps its source's). Returns
     (client_state, this rank's state, or None if the checkpoint was written by another world size)."""
-    # Every file of the tag opened first, a share per rank, and the outcome shared: a damaged file that one rank
-    # alone reads (its optimizer shard, its RNG state) would otherwise stop that rank inside DeepSpeed's load
-    # while the others go on into a collective it never joins (across nodes: until the timeout).
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    files = _files_to_load(checkpoint_dir / tag, world_size, saved_world_size)
-    on_every_rank(lambda: _check_readable(files[rank::world_size], checkpoint_dir / tag),
-                  f"read checkpoint {checkpoint_dir / tag}")
+    integrity.verify_before_load(checkpoint_dir / tag, saved_world_size)
     try:
         path, client_state = engine.load_checkpoint(
             str(checkpoint_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
@@ -291,8 +275,19 @@ def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str, saved_world_si
     rank_file = rank_state_file(checkpoint_dir, tag, rank)
     rank_state = None
     if rank_file.is_file() and saved_world_size == world_size:
-        rank_state = torch.load(rank_file, weights_only=False)
+        rank_state = load_rank_state(rank_file)
     return client_state, rank_state
+
+
+def load_rank_state(path: Path) -> dict:
+    """A rank's own file, with torch's safe unpickler. A file written before truneg stored plain types there
+    (numpy's RNG state pickled as numpy objects) loads as the pickle it is, with a warning."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        print(f"truneg: warning: {path} was written before truneg saved plain types there; loading it with pickle",
+              flush=True)
+        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _restore_group_settings(optimizer: torch.optim.Optimizer, universal_optimizer_state: Path) -> None:
@@ -344,7 +339,8 @@ def find_resume_point(resume: str, output_dir: Path) -> ResumePoint | None:
                             f"{checkpoint_dir}, or start afresh with --resume none --overwrite")
     else:
         if not Path(resume).is_dir():
-            raise UserError(f"--resume {resume}: no such checkpoint folder; pass a checkpoints folder or one of its tags")
+            raise UserError(f"--resume {resume}: no such checkpoint folder; pass a checkpoints folder or one of its "
+                            "tags")
         checkpoint_dir, tag = resolve_tag(resume)
     return ResumePoint(checkpoint_dir, tag, saved_world_size(checkpoint_dir, tag))
 
@@ -360,5 +356,7 @@ def prepare_universal(point: ResumePoint, world_size: int) -> str:
         print(f"truneg: {point.tag} was written by {point.saved_world_size} ranks; loading its universal form on "
               f"{world_size}", flush=True)
 
+    # the converter reads every shard: a changed byte would pass into the universal form, which has no manifest
+    integrity.verify_before_load(point.checkpoint_dir / point.tag, point.saved_world_size)
     on_rank_zero(convert, f"convert {point.checkpoint_dir / point.tag} to a universal checkpoint")
     return universal_tag(point.tag)

@@ -21,9 +21,11 @@ from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
 from truneg.data.blocks import is_prepared
 from truneg.data.corpus import is_hf, resolve_text_files
+from truneg.data.masking import default_max_predictions
 from truneg.errors import UserError, check_output_path
+from truneg.model import hub
 from truneg.model.presets import DEFAULT_PRESET, matching_preset
-from truneg.train import ds_config
+from truneg.train import ds_config, memory
 from truneg.train.ds_config import GPU_ARCH_ENV, GPU_ARCHS
 
 # The torch wheels that carry each generation's kernels (pytorch/pytorch#172352: 2.11 dropped sm_70 from
@@ -38,34 +40,58 @@ def _capability(capability):
     return ds_config.local_capability() if capability == _LOCAL else capability
 
 
-def effective_preset(args: argparse.Namespace) -> str | None:
-    """--model, else the preset an --init-from checkpoint matches (None if none), else electra-tiny."""
+def effective_preset(args: argparse.Namespace, fetch: bool = False) -> str | None:
+    """--model, else the preset an --init-from checkpoint matches (None if none), else electra-tiny. A hub name not
+    in the HF cache yet is of no known size, unless `fetch` downloads its config (a few kB)."""
     if args.model or not args.init_from:
         return args.model or DEFAULT_PRESET
-    return matching_preset(Path(args.init_from))
+    folder = hub.folder_or_cached(args.init_from) or (hub.fetch_config(args.init_from) if fetch else None)
+    electra = True if getattr(args, "init_generator", None) else None  # a discriminator alone is ELECTRA's too
+    return matching_preset(folder, electra) if folder is not None else None
 
 
-def resolve_config(args: argparse.Namespace, world_size: int, capability=_LOCAL) -> tuple[dict, list[str]]:
+def resolve_config(args: argparse.Namespace, world_size: int, capability=_LOCAL,
+                   memory_gib=_LOCAL) -> tuple[dict, list[str]]:
     """The DeepSpeed config for this run and the lines saying what was chosen.
 
     args: pretrain.py's arguments (deepspeed_config, model, init_from, max_steps, output_dir,
-    micro_batch_size, gradient_accumulation_steps, lr). capability: (major, minor) of the GPUs, None for
-    the CPU, "local" (default) for this machine's. Raises UserError when the batch does not split."""
+    micro_batch_size, gradient_accumulation_steps, lr, seq_len, max_predictions, sr). capability: (major, minor)
+    of the GPUs, None for the CPU, "local" (default) for this machine's; memory_gib: the GPUs' memory, None where
+    unknown, "local" for this machine's. A shipped GPU recipe's micro-batch follows the memory where it is known
+    (truneg.train.memory). Raises UserError when the batch does not split."""
     capability = _capability(capability)
+    memory_gib = memory.local_memory_gib() if memory_gib == _LOCAL else memory_gib
     path = args.deepspeed_config
     if path:
         choice = f"config: {path}"
     else:
-        preset = effective_preset(args)
+        # on GPUs the recipe (and its micro-batch for the memory) follows the size: never a guess at a hub name's
+        preset = effective_preset(args, fetch=capability is not None)
         path = ds_config.default_config_path(preset, capability, continued=bool(args.init_from))
         where = "the CPU" if capability is None else f"sm_{capability[0]}{capability[1]}"
         kind = "continued" if args.init_from else "from scratch"
         choice = f"config: {path} (default for {preset or 'this checkpoint'} {kind} on {where})"
+    micro_cap, by_memory = memory_micro_cap(args, path, capability, memory_gib)
     config, choices = ds_config.resolve(
         path, world_size, args.max_steps, Path(args.output_dir),
         micro_batch=args.micro_batch_size, grad_accum=args.gradient_accumulation_steps, lr=args.lr,
+        micro_cap=micro_cap,
     )
-    return config, [choice, *choices]
+    return config, [choice, *by_memory, *choices]
+
+
+def memory_micro_cap(args: argparse.Namespace, path: str | Path, capability, memory_gib: float | None
+                     ) -> tuple[int | None, list[str]]:
+    """A shipped GPU recipe's micro-batch for the GPUs' memory, and the line saying so; (None, []) for a user's own
+    config, the CPU, an unknown memory or an --init-from of no preset's size."""
+    preset = effective_preset(args)
+    shipped = Path(path).resolve().parent == ds_config.DS_CONFIGS and not Path(path).name.startswith("cpu_")
+    if capability is None or memory_gib is None or preset is None or not shipped or not Path(path).is_file():
+        return None, []
+    precision = ds_config.precision_of(ds_config.read_config(path))
+    predictions = args.max_predictions or default_max_predictions(args.seq_len)
+    micro, line = memory.micro_for_memory(memory_gib, preset, precision, args.seq_len, predictions, args.sr)
+    return micro, [line]
 
 
 def deepspeed_optimizer(config: dict) -> tuple[str, type | None]:
@@ -112,7 +138,8 @@ def check_optimizer(config: dict) -> str | None:
     if written is None:
         return "the DeepSpeed config has no optimizer section; add one (e.g. {\"type\": \"AdamW\", ...})"
     if cls is None and name not in ("MuAdam", "MuAdamW", "MuSGD", "MuonWithAuxAdam"):
-        return f"optimizer type {written!r} is neither DeepSpeed's nor torch.optim's; use AdamW, Adam, Lamb, Lion or Adagrad"
+        return (f"optimizer type {written!r} is neither DeepSpeed's nor torch.optim's; "
+                "use AdamW, Adam, Lamb, Lion or Adagrad")
     if stage >= 1:
         supported = cls in ZERO_SUPPORTED_OPTIMIZERS or name == "MuonWithAuxAdam"
         if name == "FusedLamb":
@@ -123,7 +150,8 @@ def check_optimizer(config: dict) -> str | None:
         if not supported and not config.get("zero_allow_untested_optimizer"):
             return (f"optimizer {written} ({name}) is not among DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS for ZeRO stage "
                     f"{stage}; use AdamW/Adam/Adagrad/Lion, ZeRO stage 0, or set zero_allow_untested_optimizer")
-    elif (config.get("bf16") or {}).get("enabled") and (config.get("data_types") or {}).get("grad_accum_dtype") == "fp32":
+    elif (config.get("bf16") or {}).get("enabled") and (config.get("data_types")
+                                                        or {}).get("grad_accum_dtype") == "fp32":
         return ("bf16 with data_types.grad_accum_dtype fp32 at ZeRO stage 0: DeepSpeed refuses that mix "
                 "(NotImplementedError); drop grad_accum_dtype (accumulate in bf16), use ZeRO-1/2, or fp16")
     return None
@@ -229,16 +257,21 @@ def start_problems(args: argparse.Namespace, config: dict, world_size: int, capa
         # it writes after save_checkpoint returns, when truneg marks the checkpoint complete (META, then `latest`)
         problems.append("the config's decoupled checkpoint writer (checkpoint.writer.decoupled, datastates_ckpt) "
                         "finishes in the background, after truneg has marked the checkpoint complete: a kill then "
-                        "leaves `latest` naming a half-written one; drop it (checkpoint.writer without decoupled is fine)")
+                        "leaves `latest` naming a half-written one; drop it (checkpoint.writer without decoupled is "
+                        "fine)")
+    if getattr(args, "compile", None) == "layers" and (config.get("zero_optimization") or {}).get("stage", 0) == 3:
+        # ZeRO-3 frees each layer's gathered weights after its forward; a compiled backward saved them as tensors
+        problems.append("--compile layers is not checked at ZeRO-3 (its gathered weights are freed under the compiled "
+                        "layers' backward): use --compile whole, or ZeRO-0/1/2")
     return problems + path_problems(args, nodes)
 
 
 def path_problems(args: argparse.Namespace, nodes: int = 1) -> list[str]:
     """The checkpoint to start from, the output folder and the corpus: checked whatever the config."""
     problems = []
-    if args.init_from and not Path(args.init_from).is_dir():
-        problems.append(f"--init-from {args.init_from} is not a folder; pass an HF checkpoint folder "
-                        "(ELECTRA: one holding generator/ and discriminator/)")
+    for flag, spec in (("--init-from", args.init_from), ("--init-generator", getattr(args, "init_generator", None))):
+        if spec and (problem := hub.problem(spec, flag)):
+            problems.append(problem)
     problems += _check_output_dir(args.output_dir, nodes)
     problems += _check_corpus(args.train_data)
     return problems

@@ -18,6 +18,7 @@ from deepspeed.accelerator import get_accelerator
 from torch.utils.cpp_extension import _get_build_directory
 
 from truneg.errors import UserError
+from truneg.train.watchdog import enable_flight_recorder
 
 STALE_BUILD_LOCK_S = 600
 
@@ -85,8 +86,8 @@ def adopt_launcher_env() -> None:
             if MPI.COMM_WORLD.Get_size() != int(os.environ[size]):
                 raise UserError(f"{size}={os.environ[size]}, but mpi4py's MPI sees {MPI.COMM_WORLD.Get_size()} "
                                 "process(es): it cannot reach the launcher's (srun without --mpi=pmix or pmi2, or an "
-                                "mpi4py built for another MPI); export MASTER_ADDR and MASTER_PORT (rank 0's host and a "
-                                "free port) to every rank instead")
+                                "mpi4py built for another MPI); export MASTER_ADDR and MASTER_PORT (rank 0's host and "
+                                "a free port) to every rank instead")
 
 
 def launch_world_size() -> int:
@@ -107,6 +108,8 @@ def init_distributed() -> tuple[int, int]:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     accelerator = get_accelerator()
     backend = "gloo" if accelerator.device_name() == "cpu" else None
+    if backend is None:
+        enable_flight_recorder()  # for --step-timeout's dump; read when the process group starts
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=_left_to_mpi_discovery())
     if backend == "gloo":
         _unlink_shm_allreduce_buffer()

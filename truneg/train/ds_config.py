@@ -112,7 +112,8 @@ def read_config(path: str | Path, *, for_trainer: bool = False) -> dict:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise UserError(f"DeepSpeed config {path} is not valid JSON (line {err.lineno}: {err.msg}); fix the file") from None
+        raise UserError(f"DeepSpeed config {path} is not valid JSON (line {err.lineno}: {err.msg}); "
+                        "fix the file") from None
     except UnicodeDecodeError as err:
         raise UserError(f"DeepSpeed config {path} is not UTF-8 text ({err.reason} at byte {err.start}); pass a JSON "
                         "file") from None
@@ -228,7 +229,8 @@ def resolve_warmup(value, max_steps: int) -> int | None:
     if isinstance(value, str):
         match = _WARMUP_SHARE.match(value.strip())
         if not match:
-            raise UserError(f"warmup_num_steps {value!r}: write a number of steps, \"auto\" (1 %) or a share like \"6%\"")
+            raise UserError(f"warmup_num_steps {value!r}: write a number of steps, \"auto\" (1 %) or a share like "
+                            "\"6%\"")
         return max(1, round(max_steps * float(match.group(1)) / 100))
     return value
 
@@ -241,12 +243,15 @@ def resolve(
     micro_batch: int | None = None,
     grad_accum: int | None = None,
     lr: float | None = None,
+    micro_cap: int | None = None,
 ) -> tuple[dict, list[str]]:
     """The config as deepspeed.initialize gets it, and the lines saying what was chosen (for rank 0 to print):
-    batch sizes fitted to the world size, --lr applied, "auto" and "N%" steps filled in, bf16 gradients
-    accumulated in fp32 where DeepSpeed allows it (ZeRO >= 1), monitors pointed at the run's folder, and
-    DeepSpeed's throughput timer unsynchronized."""
+    batch sizes fitted to the world size (`micro_cap` in place of the file's micro-batch: the GPU memory's), --lr
+    applied, "auto" and "N%" steps filled in, bf16 gradients accumulated in fp32 where DeepSpeed allows it
+    (ZeRO >= 1), monitors pointed at the run's folder, and DeepSpeed's throughput timer unsynchronized."""
     config = read_config(path)
+    if micro_cap is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_cap
     choices = [resolve_batch_sizes(config, world_size, micro_batch, grad_accum)]
     if lr is not None:
         config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = lr
@@ -260,7 +265,8 @@ def resolve(
     if "warmup_num_steps" in scheduler_params:
         written = scheduler_params["warmup_num_steps"]
         warmup = scheduler_params["warmup_num_steps"] = resolve_warmup(written, max_steps)
-        line = f"warmup {warmup} steps" + (f" ({written} of --max-steps {max_steps})" if isinstance(written, str) else "")
+        line = f"warmup {warmup} steps" + (f" ({written} of --max-steps {max_steps})" if isinstance(written, str)
+                                           else "")
         if isinstance(warmup, int) and warmup >= max_steps:
             line += f"; longer than --max-steps {max_steps}: the peak learning rate is never reached"
         choices.append(line)
@@ -270,7 +276,8 @@ def resolve(
             config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
             choices.append("bf16 gradients accumulate in fp32 (data_types.grad_accum_dtype)")
         elif stage == 0 and config["gradient_accumulation_steps"] > 1:
-            choices.append("bf16 gradients accumulate in bf16: DeepSpeed has no fp32 accumulation for bf16 at ZeRO stage 0")
+            choices.append("bf16 gradients accumulate in bf16: DeepSpeed has no fp32 accumulation for bf16 at ZeRO "
+                           "stage 0")
     for section, subdir in MONITORS.items():
         if section in config and subdir is not None:
             config[section]["output_path"] = str(Path(output_dir) / subdir)
@@ -292,7 +299,8 @@ def precision_of(config: dict) -> str:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     """For launch/common.sh: `python -m truneg.train.ds_config arch GPU` prints the architecture of GPU=... (sm70, ...),
-    which the ranks check against their own; `python -m truneg.train.ds_config recipe STEM GPU` the recipe's config file."""
+    which the ranks check against their own; `python -m truneg.train.ds_config recipe STEM GPU` the recipe's config
+    file."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m truneg.train.ds_config")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, ElectraForPreTraining
 
@@ -29,16 +30,26 @@ if TYPE_CHECKING:
 
 PARTS = {"mlm": BertForMaskedLM, "generator": ElectraForMaskedLM, "discriminator": ElectraForPreTraining}
 TOKENIZER_DIR = "tokenizer"
+POOLER_FILE = "pooler.safetensors"  # beside the configs: a continued BERT's pooler as loaded (model/carried.py)
 
 
-def save_hf_configs(model: nn.Module, checkpoint_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+def save_hf_configs(model: nn.Module, checkpoint_dir: Path, tokenizer: PreTrainedTokenizerBase,
+                    resumed: bool = False) -> None:
     """Write the HF config of each part and the run's tokenizer, so export can rebuild the classes without
-    the training flags and ship the vocab the model was trained on."""
+    the training flags and ship the vocab the model was trained on. A continued BERT's pooler is written at a
+    start from its checkpoint; a resume (`resumed`) keeps the one its run started from."""
     for part in PARTS:
         if hasattr(model, part):
             getattr(model, part).config.save_pretrained(checkpoint_dir / HF_CONFIG_DIR / part)
     folder = checkpoint_dir / HF_CONFIG_DIR / TOKENIZER_DIR
     save_tokenizer(tokenizer, Path(tokenizer.name_or_path), folder)
+    pooler, saved = getattr(model, "pooler", None), checkpoint_dir / HF_CONFIG_DIR / POOLER_FILE
+    if not resumed:  # never an earlier start's (one stopped before its first checkpoint, from another commit)
+        saved.unlink(missing_ok=True)
+    if pooler is not None and not saved.is_file():
+        partial = saved.with_suffix(".tmp")  # a kill mid-write leaves no pooler file that a resume would keep
+        save_file(pooler, partial)
+        partial.replace(saved)
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, source: Path, folder: Path) -> None:
@@ -75,7 +86,8 @@ def run_tokenizer_dir(checkpoint_dir: Path) -> Path:
     return saved if saved.is_dir() else Path(DEFAULT_TOKENIZER)
 
 
-def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict[str, Path]:
+def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict[str,
+                                                                                                              Path]:
     """Write each part with save_pretrained (and the tokenizer beside it). Returns {part: folder}."""
     out_dir = Path(out_dir)
     check_output_path(out_dir, "export to")  # a file there, save_pretrained would only log it; before the reading
@@ -83,10 +95,14 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
         tokenizer_dir = run_tokenizer_dir(checkpoint.resolve(checkpoint_path)[0])
     tokenizer = load_tokenizer(tokenizer_dir)  # before the consolidation, which takes minutes for BERT-large
     parts, _ = load_parts(checkpoint_path)
+    pooler_file = checkpoint.resolve(checkpoint_path)[0] / HF_CONFIG_DIR / POOLER_FILE
+    pooler = load_file(pooler_file) if pooler_file.is_file() else {}  # the fp32 tensors as saved: bitwise
     written = {}
     for name, model in parts.items():
         folder = out_dir if name == "mlm" else out_dir / name
-        model.save_pretrained(folder)
+        # a continued BERT's pooler beside its MLM head, as in a public BERT's weights (finetune starts from it)
+        model.save_pretrained(folder, **({"state_dict": {**model.state_dict(), **pooler}} if name == "mlm" and pooler
+                                         else {}))
         save_tokenizer(tokenizer, Path(tokenizer_dir), folder)
         written[name] = folder
     return written
@@ -114,7 +130,8 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
             del states
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
-        raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} ({type(err).__name__}: {str(err)[:200]})") from None
+        raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} "
+                        f"({type(err).__name__}: {str(err)[:200]})") from None
 
 
 BF16_PARTITION = "bf16_zero_pp_rank_"  # a bf16 run's partitions: bf16_zero_pp_rank_{dp rank}_mp_rank_00_optim_states.pt
@@ -149,7 +166,8 @@ def _bf16_optimizer_weights(states: dict, partitions: list[dict]) -> dict:
         for name, shape in group.items():
             flat = torch.cat(fragments.get(name, [torch.empty(0)]))
             if flat.numel() != shape.numel():
-                raise ValueError(f"{name}: {flat.numel()} values in {len(partitions)} partitions for shape {tuple(shape)}")
+                raise ValueError(f"{name}: {flat.numel()} values in {len(partitions)} partitions for shape "
+                                 f"{tuple(shape)}")
             weights[name] = flat.view(shape).clone()
     weights.update({name: value.float() if value.is_floating_point() else value
                     for name, value in states["module"].items() if name in states["buffer_names"]})
@@ -164,4 +182,5 @@ def load_into(module: torch.nn.Module, state_dict: dict, where: str) -> None:
     missing, unexpected = module.load_state_dict(state_dict, strict=False)
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing or unexpected:
-        raise UserError(f"checkpoint {where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise UserError(f"checkpoint {where} does not match its config: missing {missing[:3]}, unexpected "
+                        f"{unexpected[:3]}")

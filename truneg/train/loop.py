@@ -2,7 +2,9 @@
 micro-batches), and the loop that logs, checkpoints and stops cleanly on SIGTERM/SIGINT.
 
 Inside a step nothing waits on the host: the forward, the objectives and the metric sums stay on the
-device. Once per optimizer step, one small all-reduce carries the stop flag and the non-finite count.
+device. Once per optimizer step, one small all-reduce carries the stop flag and the non-finite count; every
+--replica-check-steps steps and before each checkpoint one more compares the replicas' weights (replicas.py), and a
+watchdog thread times each step (watchdog.py).
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ from torch._dynamo.utils import counters
 from truneg.data.blocks import ResumableSampler
 from truneg.data.masking import MaskedBatches
 from truneg.errors import UserError
-from truneg.train import checkpoint
+from truneg.train import checkpoint, replicas
 from truneg.train.distributed import on_rank_zero, seed
 from truneg.train.ds_config import MONITORS
 from truneg.train.metrics import MetricsLogger
 from truneg.train.run_config import RunConfig
+from truneg.train.watchdog import FIRST_STEP, LOAD, SAVE, STEP, StepWatchdog
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -68,7 +71,9 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
     metrics = MetricsLogger(engine, cfg.output_dir, cfg.seq_len, rank)
     seed(cfg.seed, rank)
     if resume is not None:
-        client_state, rank_state = checkpoint.load(engine, resume.checkpoint_dir, tag, resume.saved_world_size)
+        # timed as a save is (--step-timeout's long limit): a rank stuck in it is named before the collective timeout
+        with StepWatchdog.timing(cfg.step_timeout, cfg.output_dir, checkpoint.step_of_tag(resume.tag), LOAD):
+            client_state, rank_state = checkpoint.load(engine, resume.checkpoint_dir, tag, resume.saved_world_size)
         sampler.load_state_dict(client_state["sampler"])
         step = engine.global_steps
         if rank_state is None:
@@ -183,20 +188,35 @@ def _console_line(step: int, total: int, record: dict, eta_s: float, hc: bool) -
 
 
 def compile_summary() -> str:
-    """What torch.compile made of the run: one graph and no break is the static step's goal; more graphs
-    mean recompiles (a guard failed), which cost time each."""
+    """What torch.compile made of the run: no break, and one graph (`--compile whole`) or one per kind of part
+    (`layers`: BERT 3, ELECTRA 5; layers of one shape share theirs). More graphs mean recompiles (a guard failed)."""
     graphs, breaks = counters["stats"].get("unique_graphs", 0), sum(counters["graph_break"].values())
     return f"compile: {graphs} graph(s), {breaks} graph break(s)"
 
 
 def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
+    watchdog = StepWatchdog.for_run(cfg.step_timeout, cfg.output_dir)
+    try:
+        _train(cfg, engine, state, watchdog)
+    finally:
+        if watchdog is not None:
+            watchdog.close()
+
+
+def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog: StepWatchdog | None) -> None:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
+    diverge_at = replicas.injected_step() if state.rank == 1 else None
+    check_replicas = cfg.replica_check_steps > 0 and replicas.applies(engine)
     started, start_step = time.perf_counter(), engine.global_steps
     state.metrics.interval_start = started  # the throughput counts training, not the start-up or a resume's load
     step = start_step
     while step < cfg.max_steps:
+        if watchdog is not None:  # the launch's first step may compile: the long limit
+            watchdog.started(step + 1, FIRST_STEP if step == start_step else STEP)
         stop_requested, skipped = train_step(engine, state, stop, guard, inject)
         step = engine.global_steps
+        if step == diverge_at:
+            replicas.perturb(engine)
         # A non-finite loss, in any precision (fp16's scaler overflows are non-finite gradients of a finite loss,
         # which DeepSpeed skips and counts in skipped_steps; a loss scale cannot bring a non-finite loss back).
         if skipped:
@@ -216,12 +236,18 @@ def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
                 eta = (cfg.max_steps - step) * (time.perf_counter() - started) / max(step - start_step, 1)
                 print(_console_line(step, cfg.max_steps, record, eta, hc=cfg.hc != "none"), flush=True)
         # No checkpoint inside a run of skipped steps: `latest` stays the last good one.
-        saving = cfg.save_steps > 0 and (step % cfg.save_steps == 0 or step == cfg.max_steps) and not state.nonfinite_in_a_row
-        if saving:
+        saving = cfg.save_steps > 0 and (step % cfg.save_steps == 0 or step
+                                         == cfg.max_steps) and not state.nonfinite_in_a_row
+        # nor of diverged replicas: checked before every save too
+        if check_replicas and (step % cfg.replica_check_steps == 0 or saving or stop_requested):
+            replicas.check(engine, step, checkpoint.latest_tag(cfg.checkpoint_dir))
+        if saving or stop_requested:
+            if watchdog is not None:
+                watchdog.started(step, SAVE)
             state.save(cfg, engine, step)
+        if watchdog is not None:
+            watchdog.ended()
         if stop_requested:
-            if not saving:
-                state.save(cfg, engine, step)
             if state.rank == 0:
                 print(f"truneg: stopped by signal at step {step}; checkpoint saved in {cfg.checkpoint_dir}. "
                       "Run the same command to resume.", flush=True)

@@ -88,7 +88,8 @@ class MetricsLogger:
 
     def _reduced(self) -> dict[str, float]:
         counters = torch.tensor(
-            [self.micro_steps, self.nonfinite_steps, self.interval_samples], dtype=torch.float64, device=self.sums.device
+            [self.micro_steps, self.nonfinite_steps, self.interval_samples], dtype=torch.float64,
+            device=self.sums.device
         )
         packed = torch.cat([self.sums, counters])
         if dist.is_initialized():

@@ -23,6 +23,7 @@ class RunConfig:
     # model and objective
     model: str | None  # a preset; None: electra-tiny, or the --init-from checkpoint's own architecture
     init_from: str | None
+    init_generator: str | None  # ELECTRA's generator beside --init-from's discriminator
     dropout: float | None  # None: 0.1 for a fresh model, the checkpoint's own with --init-from
     hc: str
     hc_embeddings: str | None
@@ -46,12 +47,14 @@ class RunConfig:
     max_steps: int
     max_nonfinite_steps: int
     seed: int
-    compile: bool
+    compile: str | None  # None | layers | whole (truneg.model.compile)
     # output, checkpoints, resume
     output_dir: Path
     save_steps: int
     log_steps: int
     keep_checkpoints: int
+    step_timeout: float
+    replica_check_steps: int
     resume: str
     overwrite: bool
 

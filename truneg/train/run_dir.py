@@ -38,6 +38,7 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
         "seed": cfg.seed, "init_from": cfg.init_from, "hc": cfg.hc, "hc_prediction": cfg.hc_prediction,
         "sr": cfg.sr, "sr_weight": cfg.sr_weight, "sr_sent_target": cfg.sr_sent_target, "dropout": cfg.dropout,
         "ds_config": config, **parts,
+        **({"init_generator": cfg.init_generator} if cfg.init_generator else {}),  # (absent from older records)
     }
 
 
@@ -48,13 +49,17 @@ LATER_FIELDS = ("max_predictions", "sr_sent_target", "architecture", "synonym_ta
 
 # Fields that may hold a path, relative or not, as the command line gave it: the launch scripts make them
 # absolute, a hand-typed command may not; compared resolved.
-PATH_FIELDS = {"init_from": (), "hc": HC_SOURCES}
+PATH_FIELDS = {"init_from": (), "init_generator": (), "hc": HC_SOURCES}
+# The commit a hub name resolved to, beside the field that names it: recorded, not compared (a branch that moved
+# since does not make a resume another run, whose weights come from its checkpoint), and kept from the run's start.
+RECORD_ONLY = {"init_revision": "init_from", "init_generator_revision": "init_generator"}
 
 
 def _resolved(record: dict) -> dict:
-    out = dict(record)
+    out = {k: v for k, v in record.items() if k not in RECORD_ONLY}
+    names = {field for revision, field in RECORD_ONLY.items() if record.get(revision)}  # hub names, not paths
     for key, words in PATH_FIELDS.items():
-        if isinstance(out.get(key), str) and out[key] not in words:
+        if isinstance(out.get(key), str) and out[key] not in words and key not in names:
             out[key] = str(Path(out[key]).resolve())
     return out
 
@@ -92,6 +97,8 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
             previous = None
         same, missing = _same_run(previous, identity)
         different = not same
+        if same and has_checkpoints and cfg.resume != "none" and not cfg.overwrite:  # resumed: its start's commit
+            identity.update({k: previous[k] for k in RECORD_ONLY if k in previous})
     else:
         different = has_checkpoints
     fresh_start = cfg.resume == "none" and has_checkpoints

@@ -1,0 +1,254 @@
+"""Silent faults, in one process: the checkpoint manifest and `truneg verify`, truneg's own files under torch's safe
+unpickler, the replica check's fingerprint and message, and the step watchdog's naming of the ranks behind. (The
+same with real ranks: test_reliability's and test_distributed's launches.)"""
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import cli_in_process, flip_tensor_byte, free_port
+
+from truneg.errors import UserError
+from truneg.train import checkpoint, integrity, replicas
+from truneg.train.args import step_timeout_problem
+from truneg.train.watchdog import LOAD, SAVE, StepWatchdog
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_truneg_rank_files_load_with_weights_only_and_older_ones_with_a_warning(tmp_path, capsys):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.randn()  # numpy caches a second gaussian: part of its state
+    path = tmp_path / "truneg_rank00000.pt"
+    torch.save({"rng": checkpoint.rng_state(), "metrics": {"sums": {"loss": 1.5}, "micro_steps": 3}}, path)
+    expected = (random.random(), np.random.randn(), torch.rand(2))
+    state = torch.load(path, weights_only=True)  # no numpy object, nothing but plain types and tensors
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    checkpoint.set_rng_state(state["rng"])
+    again = (random.random(), np.random.randn(), torch.rand(2))
+    assert again[:2] == expected[:2] and torch.equal(again[2], expected[2])
+    assert checkpoint.load_rank_state(path)["metrics"] == state["metrics"] and capsys.readouterr().out == ""
+
+    # the format before: numpy's own state, which torch's safe unpickler refuses; still loads, with a warning
+    old = tmp_path / "truneg_rank00001.pt"
+    torch.save({"rng": {**state["rng"], "numpy": np.random.get_state()}}, old)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(old, weights_only=True)
+    loaded = checkpoint.load_rank_state(old)
+    assert f"warning: {old} was written before truneg saved plain types" in capsys.readouterr().out
+    checkpoint.set_rng_state(loaded["rng"])
+
+
+def make_tag(folder: Path) -> Path:
+    tag = folder / "global_step8"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "truneg_rank00000.pt"):
+        (tag / name).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": torch.arange(4000.0), "name": name}, tag / name)
+    torch.save({"state": torch.ones(1000)}, tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+               _use_new_zipfile_serialization=False)  # torch's legacy format: no zip, no CRC
+    return tag
+
+
+def test_a_save_writes_a_manifest_before_latest_and_verify_finds_a_changed_byte(tmp_path, world_of_one):
+    """hash_share checksums the tag's files (one share per rank: here all), _commit writes the manifest, META and
+    `latest`; a flipped bit inside a tensor, which the load pre-check's open misses, is named by the resume's check
+    and by `truneg verify` (exit 2); so are a file cut short and a missing one."""
+    folder = tmp_path / "checkpoints"
+    tag = make_tag(folder)
+    manifest = integrity.hash_share(tag)
+    assert sorted(manifest) == sorted(integrity.tag_files(tag)) and len(manifest) == 4
+    checkpoint._commit(folder, tag.name, 8, 1, manifest)
+    assert integrity.read_manifest(tag) == manifest and checkpoint.latest_tag(folder) == tag.name
+    proc = cli_in_process("verify", str(folder))
+    assert proc.returncode == 0 and proc.stdout.strip() == f"{tag}: intact" and proc.stderr == "", proc
+    integrity.verify_before_load(tag, 1)
+
+    shard = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    flip_tensor_byte(shard)
+    integrity.check_readable([shard], tag)  # the file still opens: only the checksum finds it
+    with pytest.raises(UserError, match=rf"^{shard} is damaged: its bytes changed since the save .*; resume from "
+                                        "another tag with --resume DIR"):
+        integrity.verify_before_load(tag, 1)
+    legacy = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    legacy.write_bytes(legacy.read_bytes()[:500])
+    (tag / "truneg_rank00000.pt").unlink()
+    proc = cli_in_process("verify", str(folder), "--tag", tag.name)
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 3 and lines[0] == f"truneg: error: {tag / 'truneg_rank00000.pt'} is missing", lines
+    assert lines[1].startswith(f"truneg: error: {shard} is damaged: its bytes changed since the save (checksum ")
+    assert lines[2] == f"truneg: error: {legacy} is damaged: 500 bytes, {manifest[legacy.name]['size']} when saved"
+    # the RNG states of ranks a load on another world size ignores are not checked by that load
+    assert not integrity.read_by_load("truneg_rank00000.pt", 2, saved_world_size=1)
+    assert cli_in_process("verify", str(folder), "--tag", "global_step9").returncode == 2
+
+
+def test_the_save_shares_out_the_union_of_the_files_each_rank_lists(tmp_path, monkeypatch):
+    """Rank 0's cached listing of a network file system may lack a file another node has just written: the shares
+    are cut from the union of every rank's listing (rank 1, simulated, lists all). Rank 0 hashes the 1st and 3rd."""
+    tag = make_tag(tmp_path / "checkpoints")
+    everything = integrity.tag_files(tag)
+    stale = [name for name in everything if name != "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    monkeypatch.setattr(integrity, "tag_files", lambda folder: stale)
+    monkeypatch.setattr(integrity.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(integrity.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(integrity.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None),
+                                                                                             [mine, everything]))
+    monkeypatch.setattr(integrity.dist, "gather_object", lambda mine, out, dst: out.__setitem__(slice(None),
+                                                                                               [mine, {}]))
+    assert sorted(integrity.hash_share(tag)) == sorted(everything)[0::2]
+
+
+def test_a_checkpoint_without_a_manifest_resumes_and_verifies_with_a_warning(tmp_path, world_of_one, capsys):
+    folder = tmp_path / "checkpoints"
+    tag = make_tag(folder)
+    checkpoint._commit(folder, tag.name, 8, 1)  # as truneg wrote them before the manifest
+    integrity.verify_before_load(tag, 1)
+    assert f"warning: {tag} has no truneg_manifest.json" in capsys.readouterr().out
+    proc = cli_in_process("verify", str(tag))
+    assert proc.returncode == 0 and "has no truneg_manifest.json" in proc.stderr
+    cut = tag / "mp_rank_00_model_states.pt"
+    cut.write_bytes(cut.read_bytes()[:1000])
+    proc = cli_in_process("verify", str(tag))
+    assert proc.returncode == 2 and f"truneg: error: cannot read checkpoint {tag}: {cut.name} is damaged" in proc.stderr
+
+
+def test_the_replica_fingerprint_is_exact_and_a_difference_names_the_rank_and_the_parameter(monkeypatch):
+    flat = torch.randn(100)  # a view at an odd offset of a flat buffer, as ZeRO's parameters are
+    params = [torch.randn(300, 7), torch.randn(5).to(torch.bfloat16), torch.randn(9).half(), flat[3:9].view(2, 3)]
+    mine = replicas.fingerprint(params)
+    assert mine.dtype == torch.int64 and torch.equal(mine, replicas.fingerprint([p.clone() for p in params]))
+    nudged = [p.clone() for p in params]
+    nudged[0][123, 4] = torch.nextafter(nudged[0][123, 4], torch.tensor(1e9))  # one ulp
+    nudged[1][2] = -nudged[1][2]  # one sign bit of a bf16
+    nudged[3][1, 2] = torch.nextafter(nudged[3][1, 2], torch.tensor(-1e9))
+    assert (replicas.fingerprint(nudged) != mine).tolist() == [True, True, False, True]
+
+    # two ranks, simulated: rank 0 holds the model, "rank 1" the same with the second parameter changed
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    engine = type("Engine", (), {"module": model})()
+    other = replicas.fingerprint(list(model.parameters()))
+    other[1] += 1
+    monkeypatch.setattr(replicas.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(replicas.dist, "all_reduce",
+                        lambda t, op: t.copy_(torch.maximum(t, torch.cat([other, -other]))))
+    monkeypatch.setattr(replicas.dist, "all_gather", lambda out, t: [out[0].copy_(t), out[1].copy_(other[1])])
+    with pytest.raises(UserError, match=r"replicas diverged by step 12: rank 1's weights differ from rank 0's, "
+                                        r"first in 0.bias \(1 parameter\(s\) differ\); stopped without saving. The "
+                                        r"last good checkpoint \(global_step8\) is intact"):
+        replicas.check(engine, 12, "global_step8")
+    other[1] -= 1
+    replicas.check(engine, 12, "global_step8")  # the same weights: nothing said
+
+
+def watchdogs(tmp_path: Path, world_size: int, ranks: int, timeouts: list[float], long_limit_s: float = 30.0):
+    """`ranks` of a world of `world_size` on one store (as rank 0 hosts it), their exits recorded; an event set once
+    two have exited; and the store's server, to be kept alive."""
+    server = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    exits, done = {}, threading.Event()
+
+    def exit_of(rank):
+        def record(code):
+            exits[rank] = code
+            if len(exits) == 2:
+                done.set()
+        return record
+
+    dogs = [StepWatchdog(timeouts[rank], tmp_path, rank, world_size, server.clone(), exit_=exit_of(rank), beat_s=0.2,
+                         fallback=False, long_limit_s=long_limit_s) for rank in range(ranks)]
+    return dogs, exits, done, server
+
+
+def test_the_step_watchdog_names_a_stopped_rank_and_those_behind(tmp_path, capfd):
+    """Rank 1's process stopped (its beat stops), rank 2 still in the step before, rank 3 never started. Rank 0's
+    step runs past the timeout: it writes its stack, names the three, and exits 2; rank 2, past the timeout too,
+    writes its own stack and exits after rank 0 has spoken. Then a save, timed by the long limit: rank 0 in step
+    7's save names rank 1, still in step 7's training."""
+    dogs, exits, done, _server = watchdogs(tmp_path, 4, 3, [1.0] * 3)
+    try:
+        time.sleep(0.5)
+        dogs[1].started(7)
+        time.sleep(0.3)  # one beat in step 7, then the process stops
+        dogs[1].paused.set()
+        dogs[2].started(6)
+        dogs[0].started(7)
+        assert done.wait(20), exits
+    finally:
+        for dog in dogs:
+            dog.close()
+    assert exits == {0: 2, 2: 2}
+    err = capfd.readouterr().err
+    [line] = [line for line in err.splitlines() if "step 7 ran past" in line]
+    assert line.startswith("truneg: error: step 7 ran past --step-timeout 1 s: rank 1 stopped running (last seen in "
+                           "step 7); rank 2 is still in step 6; rank 3 does not answer; every running rank's stack "
+                           "is in"), line
+    assert "step 6 ran past --step-timeout 1 s: rank 0 names the ranks behind" in err
+    stacks = (tmp_path / "hang" / "step7_rank00000.stacks.txt").read_text()
+    assert "test_the_step_watchdog_names_a_stopped_rank_and_those_behind" in stacks  # the main thread, waiting
+    assert (tmp_path / "hang" / "step6_rank00002.stacks.txt").is_file()
+    assert not (tmp_path / "hang" / "step7_rank00001.stacks.txt").exists()
+
+    dogs, exits, done, _server = watchdogs(tmp_path / "save", 2, 2, [30.0, 1.0], long_limit_s=1.0)
+    try:
+        dogs[1].started(7)
+        dogs[0].started(7, SAVE)
+        assert done.wait(20), exits
+    finally:
+        for dog in dogs:
+            dog.close()
+    err = capfd.readouterr().err
+    assert ("truneg: error: step 7's checkpoint save ran past 1 s (the collective timeout less a minute): rank 1 is "
+            "still in step 7 (its training); every running rank's stack") in err, err
+    assert "step 7 ran past --step-timeout 1 s: rank 0 names the ranks behind" in err
+
+
+def test_a_resumes_load_is_timed_by_the_long_limit_with_a_watchdog_of_its_own(tmp_path, capfd, world_of_one):
+    """The load phase: past the long limit (not --step-timeout), rank 0 names the rank whose beat stopped; the run's
+    own load is timed by a watchdog that is gone, thread and all, when the load ends."""
+    dogs, exits, _done, _server = watchdogs(tmp_path, 2, 2, [0.5, 0.5], long_limit_s=2.0)
+    try:
+        dogs[1].started(8, LOAD)
+        time.sleep(0.4)
+        dogs[1].paused.set()
+        began = time.monotonic()
+        dogs[0].started(8, LOAD)
+        while 0 not in exits and time.monotonic() < began + 20:
+            time.sleep(0.05)
+        assert exits == {0: 2} and time.monotonic() - began >= 2.0, exits
+    finally:
+        for dog in dogs:
+            dog.close()
+    err = capfd.readouterr().err
+    assert ("truneg: error: the resume's load of step 8's checkpoint ran past 2 s (the collective timeout less a "
+            "minute): rank 1 stopped running (last seen in step 8); every running rank's stack") in err, err
+    assert (tmp_path / "hang" / "step8_rank00000.stacks.txt").is_file()
+
+    with StepWatchdog.timing(300.0, tmp_path / "run", 8, LOAD):
+        [dog] = [t for t in threading.enumerate() if t.name == "truneg-step-watchdog"]
+    assert not dog.is_alive()
+    with StepWatchdog.timing(0, tmp_path / "run", 8, LOAD):  # --step-timeout 0: none
+        assert not any(t.name == "truneg-step-watchdog" for t in threading.enumerate())
+
+
+def test_the_step_timeout_stays_below_the_collective_timeout():
+    assert step_timeout_problem(0) is None and step_timeout_problem(300) is None
+    assert step_timeout_problem(-1.0) == "--step-timeout must be a finite number >= 0, not -1.0"
+    said = step_timeout_problem(900)
+    assert said.startswith("--step-timeout 900 is not below the collective timeout (600 s, DEEPSPEED_TIMEOUT=10 "
+                           "minutes)") and said.endswith("export DEEPSPEED_TIMEOUT=20"), said

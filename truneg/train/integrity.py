@@ -1,0 +1,202 @@
+"""Checkpoint integrity: a manifest of every file's size and checksum, written when a save completes and verified
+before a resume (a share per rank) and by `truneg verify`.
+
+torch.save's zip records carry CRC32s too, but reading them finds neither a file missing from a tag nor a changed
+byte in a file of torch's legacy format or DeepSpeed's other files, and zlib's crc32 runs at a fifth of xxh3's speed
+here (bench/checkpoint_integrity.py): the manifest hashes every file with xxh3-64.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from truneg.errors import UserError
+from truneg.train.distributed import on_every_rank
+
+MANIFEST_FILE = "truneg_manifest.json"
+META_FILE = "truneg_meta.json"  # written after the manifest: not in it
+RANK_STATE_PREFIX = "truneg_rank"  # each rank's own file in a tag: truneg_rank00000.pt
+UNIVERSAL_SUFFIX = "_universal"
+CHUNK = 8 << 20
+
+
+def tag_files(tag_dir: Path) -> list[str]:
+    """The tag's files (relative, sorted) that its manifest covers: everything a save wrote, not truneg's META and
+    manifest (written after) nor a leftover `*.tmp`."""
+    skip = {MANIFEST_FILE, META_FILE}
+    return sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")
+                  if p.is_file() and p.name not in skip and not p.name.endswith(".tmp"))
+
+
+def checksum(path: Path) -> dict:
+    """{"size", "xxh3_64"} of a file, read in chunks into one buffer."""
+    digest, size = xxhash.xxh3_64(), 0
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while read := handle.readinto(buffer):
+            digest.update(view[:read])
+            size += read
+    return {"size": size, "xxh3_64": digest.hexdigest()}
+
+
+def checksums(tag_dir: Path, names: list[str]) -> dict[str, dict]:
+    return {name: checksum(tag_dir / name) for name in names}
+
+
+def write_manifest(tag_dir: Path, entries: dict[str, dict]) -> None:
+    tmp = tag_dir / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps({"algorithm": "xxh3_64", "files": dict(sorted(entries.items()))}, indent=1) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, tag_dir / MANIFEST_FILE)  # atomic: whole or absent
+
+
+def read_manifest(tag_dir: Path) -> dict[str, dict] | None:
+    """The tag's {file: {size, xxh3_64}}, or None for a tag written before truneg checksummed its checkpoints."""
+    path = tag_dir / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path} is damaged; resume from another tag with --resume DIR") from None
+
+
+def problems(tag_dir: Path, names: list[str], manifest: dict[str, dict]) -> list[str]:
+    """One line per file of `names` that is missing, of another size, or whose bytes changed since the save."""
+    found = []
+    for name in names:
+        path, expected = tag_dir / name, manifest[name]
+        try:
+            actual = checksum(path)
+        except FileNotFoundError:
+            found.append(f"{tag_dir / name} is missing")
+            continue
+        except OSError as err:
+            found.append(f"{tag_dir / name} cannot be read ({err.strerror or err}); check its permissions and file "
+                         "system")
+            continue
+        if actual["size"] != expected["size"]:
+            found.append(f"{tag_dir / name} is damaged: {actual['size']} bytes, {expected['size']} when saved")
+        elif actual["xxh3_64"] != expected["xxh3_64"]:
+            found.append(f"{tag_dir / name} is damaged: its bytes changed since the save (checksum "
+                         f"{actual['xxh3_64']}, {expected['xxh3_64']} when saved)")
+    return found
+
+
+def hash_share(tag_dir: Path) -> dict[str, dict] | str | None:
+    """A collective after a save's barrier: every rank lists the tag's files and all get the union (one list: a
+    node's cached listing of a network file system may lack a file another node has just written, which its writer
+    sees), every rank hashes its share, and rank 0 gets them all (None elsewhere). DeepSpeed does not say which rank
+    wrote which file, so the shares are by position, as the load pre-check splits them. A rank that could not list
+    or read its share makes it a line saying so, for rank 0's commit to stop every rank with."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    try:  # a failure travels in the gathers, not raised on one rank alone (the others would wait for it)
+        listed: list[str] | str = tag_files(tag_dir)
+    except OSError as err:
+        listed = f"cannot list {tag_dir}: {err}"
+    listings: list = [None] * world_size
+    dist.all_gather_object(listings, listed)
+    mine: dict | str = next((part for part in listings if isinstance(part, str)), {})
+    if not mine:
+        try:
+            mine = checksums(tag_dir, sorted(set().union(*listings))[rank::world_size])
+        except OSError as err:  # every rank must hear of it: the outcome travels in the gather
+            mine = f"cannot checksum {tag_dir}: {err}"
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank != 0:
+        return None
+    failed = next((part for part in gathered if isinstance(part, str)), None)
+    return failed if failed else {name: entry for part in gathered for name, entry in part.items()}
+
+
+def verify_shared(tag_dir: Path, names: list[str], manifest: dict[str, dict]) -> None:
+    """A collective: every rank checks its share of `names` against the manifest, and every rank learns every
+    problem, so that each stops with the same line naming the file."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = problems(tag_dir, names[rank::world_size], manifest)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    found = [line for lines in everyone for line in lines]
+    if found:
+        more = f" (and {len(found) - 1} more: `truneg verify {tag_dir}` lists them)" if len(found) > 1 else ""
+        raise UserError(f"{found[0]}{more}; resume from another tag with --resume DIR, or start afresh with "
+                        "--resume none --overwrite")
+
+
+def check_readable(files: list[Path], tag_dir: Path) -> None:
+    """Each file opens as torch.save wrote it: memory-mapped (its zip directory and pickle, not the tensors'
+    bytes), or read whole where that cannot be (a file in torch's legacy format, `checkpoint_serialization:
+    false`; a file system without mmap). For tags without a manifest (written before it, or a universal form)."""
+    for path in files:
+        try:
+            try:
+                torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            except Exception:
+                torch.load(path, map_location="cpu", weights_only=False)
+        except OSError as err:  # not the file's fault: permissions, memory, the file system
+            raise UserError(f"cannot read checkpoint {tag_dir}: {path.relative_to(tag_dir)}: {err}; check its "
+                            "permissions and file system, or resume from another tag with --resume DIR") from None
+        except Exception as err:  # a file cut short, or not torch.save's
+            raise UserError(f"cannot read checkpoint {tag_dir}: {path.relative_to(tag_dir)} is damaged "
+                            f"({type(err).__name__}: {str(err)[:200]}); resume from another tag with --resume DIR, "
+                            "or start afresh with --resume none --overwrite") from None
+
+
+def verify_offline(tag_dir: Path) -> tuple[list[str], bool]:
+    """`truneg verify`: (one line per bad file, whether the tag has a manifest). A tag without one is only opened
+    file by file (a file cut short is found, a changed byte is not)."""
+    manifest = read_manifest(tag_dir)
+    if manifest is not None:
+        return problems(tag_dir, sorted(manifest), manifest), True
+    found = []
+    for name in tag_files(tag_dir):
+        if name.endswith(".pt"):
+            try:
+                check_readable([tag_dir / name], tag_dir)
+            except UserError as err:
+                found.append(str(err).split("; ")[0])
+    return found, False
+
+
+def read_by_load(name: str, world_size: int, saved_world_size: int | None) -> bool:
+    """Whether a load on `world_size` ranks reads the tag's file `name` (relative): its own *.pt (the ranks' RNG
+    states only when the tag was written by this world size: the load ignores them otherwise) and, in a universal
+    tag, those under zero/ (not ds_to_universal's leftover tmp/)."""
+    if name.startswith("zero/"):
+        return name.endswith(".pt")
+    rank_state = re.fullmatch(rf"{RANK_STATE_PREFIX}(\d+)\.pt", name)
+    if rank_state is not None:
+        return saved_world_size == world_size and int(rank_state[1]) < world_size
+    return "/" not in name and name.endswith(".pt")
+
+
+def files_to_load(tag_dir: Path, world_size: int, saved_world_size: int | None) -> list[Path]:
+    """The tag's files that a load on `world_size` ranks reads (see read_by_load)."""
+    return sorted(p for p in [*tag_dir.glob("*.pt"), *tag_dir.glob("zero/**/*.pt")]
+                  if read_by_load(p.relative_to(tag_dir).as_posix(), world_size, saved_world_size))
+
+
+def verify_before_load(tag_dir: Path, saved_world_size: int | None) -> None:
+    """A collective before DeepSpeed's load, a share per rank, the outcome shared: a damaged file that one rank
+    alone reads (its optimizer shard, its RNG state) would otherwise stop that rank inside the load while the others
+    go on into a collective it never joins (across nodes: until the timeout). With a manifest, every file the load
+    reads is checksummed against it (a changed byte, a missing file); without one (written before truneg wrote
+    manifests, or a universal form) each file is only opened."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    manifest = read_manifest(tag_dir)
+    if manifest is not None:
+        verify_shared(tag_dir, [n for n in manifest if read_by_load(n, world_size, saved_world_size)], manifest)
+        return
+    if rank == 0 and not tag_dir.name.endswith(UNIVERSAL_SUFFIX):
+        print(f"truneg: warning: {tag_dir} has no {MANIFEST_FILE} (written before truneg checksummed its "
+              "checkpoints): its files are only opened, a changed byte is not found", flush=True)
+    files = files_to_load(tag_dir, world_size, saved_world_size)
+    on_every_rank(lambda: check_readable(files[rank::world_size], tag_dir), f"read checkpoint {tag_dir}")

@@ -1,0 +1,220 @@
+"""Hang diagnosis: --step-timeout. A rank that stops inside a step (a dead NIC, a stuck data loader, a GPU off the
+bus, a stopped process) leaves every other rank waiting in its next collective until the collective timeout,
+which then says nothing of who was behind or where.
+
+Each rank's watchdog thread beats in the process group's store (on rank 0, reached through a connection of its
+own with short timeouts, so it keeps working while the collectives hang; gloo's and NCCL's waits release the
+GIL): the step the rank is in and a counter. When a step has run past the timeout, every rank that can still run
+writes its Python stack (faulthandler, every thread) and, on GPUs, NCCL's flight recorder into
+OUTPUT/hang/, and rank 0 names the ranks that are behind (in an earlier step) or not running (their beat stopped),
+prints one line and exits; the other ranks exit after it. A rank whose main thread holds the GIL cannot run
+its watchdog: faulthandler's own timer dumps its stack to stderr and ends it a little later.
+
+Covered by --step-timeout: each optimizer step (forward, backward, update, its all-reduces, the log and the replica
+check). The first step of each launch (a compile, the collectives' set-up), each checkpoint save and a resume's load
+(its checksums too) take as long as the model and the checkpoint's size ask: their limit is the collective timeout
+less a minute, so that the stacks and the names still come before it ends the run. Not covered: a universal
+conversion (rank 0 alone, before the engine; the other ranks wait for it in an all-reduce, so its limit is the
+collective timeout's).
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from deepspeed.constants import default_pg_timeout
+
+HANG_DIR = "hang"
+STORE_TIMEOUT_S = 5.0
+KEY = "truneg/beat/{rank}"
+DONE_KEY = "truneg/hang_diagnosed"
+NCCL_TRACE_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+STEP, FIRST_STEP, SAVE, LOAD = "step", "first step", "save", "load"  # the phases started() times
+
+
+def enable_flight_recorder() -> None:
+    """On GPUs, before the process group: NCCL's flight recorder keeps the last collectives of each rank, for the
+    dump (and torch's own dump on NCCL's timeout)."""
+    os.environ.setdefault(NCCL_TRACE_ENV, "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+
+
+class StepWatchdog:
+    """`started(step, phase)` before each step or save, `ended()` after it; a thread does the rest."""
+
+    def __init__(self, timeout_s: float, output_dir: Path, rank: int, world_size: int, store: dist.Store,
+                 exit_: Callable[[int], None] = os._exit, beat_s: float | None = None, fallback: bool = True,
+                 long_limit_s: float | None = None):
+        self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        # the first step's, a save's and a load's limit: the collective timeout less a minute
+        collective = default_pg_timeout.total_seconds()
+        self.long_limit_s = long_limit_s or max(timeout_s, collective - min(60.0, collective / 10))
+        self.phase, self.limit_s = STEP, timeout_s
+        self._timing: tuple[float, float, int] | None = None  # (since, limit, step): one read for the thread
+        self.hang_dir = Path(output_dir) / HANG_DIR
+        self.store, self.exit, self.fallback = store, exit_, fallback
+        self.beat_s = beat_s or min(2.0, max(timeout_s / 5, 0.2))
+        self.store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+        self.step, self.since, self.beats = 0, None, 0
+        self.paused = threading.Event()  # tests: a stopped process's thread stops beating
+        self._stop = threading.Event()
+        self._beat()  # at once: a rank stopped before the thread's first beat is still told from one never started
+        self._thread = threading.Thread(target=self._run, name="truneg-step-watchdog", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_run(cls, timeout_s: float, output_dir: Path) -> StepWatchdog | None:
+        """The run's watchdog on its process group's store, or None when --step-timeout is 0."""
+        if timeout_s <= 0:
+            return None
+        store = dist.distributed_c10d._get_default_store().clone()  # a connection of its own
+        return cls(timeout_s, output_dir, dist.get_rank(), dist.get_world_size(), store)
+
+    @classmethod
+    @contextmanager
+    def timing(cls, timeout_s: float, output_dir: Path, step: int, phase: str) -> Iterator[None]:
+        """One phase outside the steps (a resume's load) under the long limit, by a watchdog of its own."""
+        watchdog = cls.for_run(timeout_s, output_dir)
+        try:
+            if watchdog is not None:
+                watchdog.started(step, phase)
+            yield
+        finally:
+            if watchdog is not None:
+                watchdog.close()
+
+    def started(self, step: int, phase: str = STEP) -> None:
+        self.step, self.phase = step, phase
+        self.limit_s = self.timeout_s if phase == STEP else self.long_limit_s
+        self.since = time.monotonic()
+        self._timing = (self.since, self.limit_s, step)  # one assignment: never one phase's start with another's limit
+        # if the main thread holds the GIL, this thread cannot run: faulthandler's timer needs no GIL
+        if self.fallback:
+            try:
+                faulthandler.dump_traceback_later(self.limit_s + 4 * self.beat_s + 3 * STORE_TIMEOUT_S + 20,
+                                                  exit=True, file=sys.__stderr__)
+            except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr with a file descriptor
+                self.fallback = False
+
+    def ended(self) -> None:
+        self.since = self._timing = None
+        if self.fallback:
+            faulthandler.cancel_dump_traceback_later()
+
+    def close(self) -> None:
+        self.ended()
+        self._stop.set()
+        if threading.current_thread() is not self._thread:  # no late beat after a watchdog that follows it
+            self._thread.join(timeout=self.beat_s + STORE_TIMEOUT_S)
+
+    def _beat(self) -> None:
+        self.beats += 1
+        try:
+            self.store.set(KEY.format(rank=self.rank), f"{self.step} {int(self.phase == SAVE)} {self.beats}")
+        except Exception:  # rank 0's store gone or stuck: the timeout still names what it can
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            if self.paused.is_set():
+                continue
+            self._beat()
+            timing = self._timing
+            if timing is not None and time.monotonic() - timing[0] > timing[1]:
+                self._diagnose(timing[2])
+                return
+
+    def _dump(self, step: int) -> Path:
+        self.hang_dir.mkdir(parents=True, exist_ok=True)
+        stacks = self.hang_dir / f"step{step}_rank{self.rank:05d}.stacks.txt"
+        with open(stacks, "w") as handle:
+            faulthandler.dump_traceback(handle, all_threads=True)
+        dump_nccl = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+        if torch.cuda.is_available() and dump_nccl is not None and os.environ.get(NCCL_TRACE_ENV):
+            try:
+                (self.hang_dir / f"step{step}_rank{self.rank:05d}.nccl_trace.pickle").write_bytes(dump_nccl())
+            except Exception:  # the recorder is torch's private API: the stacks above are the diagnosis
+                pass
+        return stacks
+
+    def _read_beats(self) -> dict[int, tuple[int, int, int] | None]:
+        beats = {}
+        for rank in range(self.world_size):
+            key = KEY.format(rank=rank)
+            try:  # `check` first: a get of a key never set would wait the store's timeout
+                beat = self.store.get(key).decode().split() if self.store.check([key]) else None
+                beats[rank] = None if beat is None else tuple(int(v) for v in beat)  # step, in its save, count
+            except Exception:  # never beat, or the store did not answer in time
+                beats[rank] = None
+        return beats
+
+    def behind(self, step: int, saving: bool = False) -> list[str]:
+        """Rank 0: what each rank that is not in `step` and running is doing, read twice a few beats apart."""
+        first = self._read_beats()
+        time.sleep(2.5 * self.beat_s)
+        second = self._read_beats()
+        found = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            before, now = first[rank], second[rank]
+            if now is None:
+                found.append(f"rank {rank} does not answer")
+            elif before is not None and now[2] == before[2]:
+                found.append(f"rank {rank} stopped running (last seen in step {now[0]})")
+            elif now[:2] < (step, int(saving)):
+                found.append(f"rank {rank} is still in step {now[0]}" + (" (its training)" if now[0] == step else ""))
+        return found
+
+    def _await_rank_zero(self) -> bool:
+        deadline = time.monotonic() + 3 * self.beat_s + 2 * STORE_TIMEOUT_S + 5
+        while time.monotonic() < deadline:
+            self._beat()
+            try:
+                if self.store.check([DONE_KEY]):
+                    return True
+            except Exception:  # rank 0's store is gone: it is the one behind
+                return False
+            time.sleep(self.beat_s)
+        return False
+
+    def _what(self, step: int) -> str:
+        if self.phase == STEP:
+            return f"step {step} ran past --step-timeout {self.timeout_s:g} s"
+        what = {FIRST_STEP: f"step {step}, the launch's first,", SAVE: f"step {step}'s checkpoint save",
+                LOAD: f"the resume's load of step {step}'s checkpoint"}[self.phase]
+        return f"{what} ran past {self.limit_s:g} s (the collective timeout less a minute)"
+
+    def _diagnose(self, step: int) -> None:
+        where = self._dump(step).parent
+        if self.rank == 0:
+            found = self.behind(step, saving=self.phase == SAVE)
+            who = "; ".join(found) if found else "every rank is in it (their stacks say where)"
+            line = (f"truneg: error: {self._what(step)}: {who}; every running rank's stack is in {where}. Resume "
+                    "from the last checkpoint once the node is replaced")
+            try:
+                self.store.set(DONE_KEY, "1")
+            except Exception:
+                pass
+        else:
+            # rank 0 names the ranks behind: exit after it (beating meanwhile, as a running rank), or the closed
+            # connections would end rank 0 first
+            if self._await_rank_zero():
+                line = (f"truneg: error: {self._what(step)}: rank 0 names the ranks behind; this rank's stack is in "
+                        f"{where}")
+            else:
+                line = (f"truneg: error: {self._what(step)} and rank 0's store does not answer: rank 0 (or its node) "
+                        f"is the one behind; this rank's stack is in {where}")
+        print(line, file=sys.stderr, flush=True)
+        if self.fallback:
+            faulthandler.cancel_dump_traceback_later()
+        self.exit(2)
