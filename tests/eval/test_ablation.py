@@ -136,7 +136,12 @@ def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags
         assert objectives == {"baseline": [], "HC": [("--hc", "wordnet")], "SR": [("--sr", "word")],
                               "HC+SR": [("--hc", "wordnet"), ("--sr", "word")]}[variant], variant
     # pretrain.py's own checks refuse a bad run before the first of the four launches
-    args = build_parser().parse_args(["ablation", "--seq-len", "1024", "--output-dir", str(tmp_path / "bad")])
+    glue = tmp_path / "glue"  # GLUE's files are checked first: these stand in for the shared data folder's
+    for folder in ("RTE", "MRPC"):
+        (glue / folder).mkdir(parents=True)
+        (glue / folder / "train.tsv").write_text("")
+    args = build_parser().parse_args(["ablation", "--seq-len", "1024", "--output-dir", str(tmp_path / "bad"),
+                                      "--glue-dir", str(glue)])
     commands.clear()
     with pytest.raises(UserError, match="--seq-len 1024 is beyond the model's 512 positions"):
         ablation.run_ablation(args)
