@@ -1,4 +1,5 @@
-"""The ablation runner: four real pre-trainings with one seed, exported and fine-tuned, and its table."""
+"""The ablation runner: real pre-trainings from hub names (a BERT, ELECTRA's two repos), exported, fine-tuned
+and reported; its stages, resume and launch commands."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import pytest
 from conftest import REPO, SHARED_DATA, free_port, hub_snapshot, need_shared, read_metrics
 
 
-def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, small_corpus):
+def test_ablation_runs_three_variants_and_reports_deltas(tmp_path, launch_env, small_corpus):
     """From a tiny BERT with its MLM head and pooler (BertForPreTraining) in an HF cache laid out as the hub's,
     named as on the hub and resolved offline, as the paper continued public checkpoints."""
     from transformers import BertConfig, BertForPreTraining
@@ -22,7 +23,7 @@ def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, sm
         hub_snapshot(cache, "org/tiny-bert"))
     env = {**launch_env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--preset", "bert-tiny", "--tasks", "rte",
-                           "--init-from", "org/tiny-bert",
+                           "--init-from", "org/tiny-bert", "--variants", "baseline,HC,SR",
                            "--steps", "6", "--train-data", str(small_corpus), "--seq-len", "64", "--micro-batch-size",
                            "4",
                            "--glue-dir", str(glue), "--max-train-samples", "64", "--epochs", "1", "--output-dir",
@@ -32,31 +33,29 @@ def test_ablation_runs_four_variants_and_reports_deltas(tmp_path, launch_env, sm
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "ablation.json").read_text())
-    assert "| HC+SR | 1 |" in (out / "report" / "glue.md").read_text()  # the report, at the end
-    assert list(report["scores"]) == ["baseline", "HC", "SR", "HC+SR"]
+    assert "| SR | 1 |" in (out / "report" / "glue.md").read_text()  # the report, at the end
+    assert list(report["scores"]) == ["baseline", "HC", "SR"]
     assert all(0 <= s["rte"] <= 100 for s in report["scores"].values())
     # the table's Δ rows are each variant's score minus the baseline's (to the printed two decimals)
     table = (out / "ablation.txt").read_text()
     assert "Δ avg" in table
     deltas = [float(line.split()[1]) for line in table.splitlines() if line.startswith("  Δ")]
     scores = {v: s["rte"] for v, s in report["scores"].items()}
-    assert deltas == [pytest.approx(scores[v] - scores["baseline"], abs=0.006) for v in ("HC", "SR", "HC+SR")]
+    assert deltas == [pytest.approx(scores[v] - scores["baseline"], abs=0.006) for v in ("HC", "SR")]
     # each variant ran with its own objectives (HC cannot be told from its losses here: it corrects nothing
     # in 6 steps of a tiny model), as its run.json records them
-    for variant, (hc, sr) in {"baseline": ("none", "none"), "HC": ("wordnet", "none"), "SR": ("none", "word"),
-                              "HC+SR": ("wordnet", "word")}.items():
+    for variant, (hc, sr) in {"baseline": ("none", "none"), "HC": ("wordnet", "none"), "SR": ("none", "word")}.items():
         recorded = json.loads((out / variant.replace("+", "_") / "run.json").read_text())
         assert (recorded["hc"], recorded["sr"], recorded["init_from"]) == (hc, sr, "org/tiny-bert"), variant
         assert (recorded["synonym_table"] is None) == (hc == "none"), variant
     runs = {v: read_metrics(out / v.replace("+", "_")) for v in report["scores"]}
     assert all(len(r) == 6 for r in runs.values())
-    assert "sr_loss" not in runs["baseline"][0] and "sr_loss" in runs["SR"][0] and "sr_loss" in runs["HC+SR"][0]
+    assert "sr_loss" not in runs["baseline"][0] and "sr_loss" not in runs["HC"][0] and "sr_loss" in runs["SR"][0]
     # One seed, one data order: the first step's forward is the same model on the same batch in every variant.
     # SR adds its own term, so the MLM loss itself is equal; HC only removes corrected positions, so the
     # predictions (accuracy) are equal, and the loss too when it corrected nothing.
     first = {v: r[0] for v, r in runs.items()}
     assert first["SR"]["mlm_loss"] == pytest.approx(first["baseline"]["mlm_loss"], rel=1e-6)
-    assert first["HC+SR"]["mlm_loss"] == pytest.approx(first["HC"]["mlm_loss"], rel=1e-6)
     assert first["HC"]["mlm_accuracy"] == first["baseline"]["mlm_accuracy"] == first["SR"]["mlm_accuracy"]
     assert first["baseline"]["hc_corrected"] == first["SR"]["hc_corrected"] == 0
     if first["HC"]["hc_corrected"] == 0:
@@ -108,6 +107,44 @@ def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_p
     monkeypatch.setattr(ablation, "pretrain", lambda variant, args, out: None)
     with pytest.raises(UserError, match="pre-training SR stopped at global_step2, short of --steps 6"):
         ablation.run_ablation(args)
+
+
+def test_electra_continues_from_its_two_hub_names_through_export_fine_tuning_and_the_report(tmp_path, launch_env,
+                                                                                            small_corpus):
+    """The paper's ELECTRA-base command at tiny size: the discriminator and the generator as two hub repos in an HF
+    cache resolved offline, pre-trained, exported, fn-stats on the generator, GLUE, and the report."""
+    from transformers import ElectraForSequenceClassification
+
+    from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
+
+    glue = need_shared(SHARED_DATA / "glue")
+    out, cache = tmp_path / "ablation", tmp_path / "hf-cache"
+    pair = build_pretrainer("electra-tiny", ObjectiveConfig())
+    pair.discriminator.save_pretrained(hub_snapshot(cache, "org/tiny-electra-discriminator", "d" * 40))
+    pair.generator.save_pretrained(hub_snapshot(cache, "org/tiny-electra-generator", "e" * 40))
+    env = {**launch_env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--preset", "electra-tiny",
+                           "--init-from", "org/tiny-electra-discriminator",
+                           "--init-generator", "org/tiny-electra-generator", "--variants", "SR", "--tasks", "rte",
+                           "--steps", "2", "--train-data", str(small_corpus), "--seq-len", "32",
+                           "--micro-batch-size", "4", "--glue-dir", str(glue), "--max-train-samples", "32",
+                           "--epochs", "1", "--finetune-seeds", "1", "--fn-checkpoints", "100",
+                           "--fn-data", str(small_corpus), "--fn-max-sequences", "16", "--output-dir", str(out),
+                           "--master-port", str(free_port()), "--num-gpus", "1"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((out / "SR" / "run.json").read_text())
+    assert ({k: record[k] for k in ("init_from", "init_revision", "init_generator", "init_generator_revision")}
+            == {"init_from": "org/tiny-electra-discriminator", "init_revision": "d" * 40,
+                "init_generator": "org/tiny-electra-generator", "init_generator_revision": "e" * 40})
+    # the public discriminator's trained encoder went on training (not a fresh one of the same shape)
+    exported = ElectraForSequenceClassification.from_pretrained(out / "SR" / "hf" / "discriminator")
+    start = pair.discriminator.electra.encoder.layer[0].attention.self.query.weight
+    assert (exported.electra.encoder.layer[0].attention.self.query.weight - start).abs().max() < 0.05
+    report = json.loads((out / "ablation.json").read_text())
+    assert 0 <= report["scores"]["SR"]["rte"] <= 100
+    assert "| SR | 1 |" in (out / "report" / "glue.md").read_text()
+    assert "SR" in (out / "report" / "false_negatives.md").read_text()
 
 
 def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags(tmp_path, monkeypatch):
@@ -224,7 +261,7 @@ def test_an_ablation_killed_between_stages_continues_without_repeating_a_finishe
         calls.append(("fn-stats", [t.rsplit("/", 1)[1] for t in tags]))
         rows = [{"checkpoint": t, "step": int(t.rsplit("step", 1)[1]), "sequences": 4, "mismatched": 10,
                  "iter_ratio": 0.25, "pred_ratio": 0.1} for t in tags]
-        (tmp_path / fn).mkdir(parents=True)
+        (tmp_path / fn).mkdir(parents=True, exist_ok=True)
         (tmp_path / fn / "fn_stats.json").write_text(json.dumps(rows))
         return sp.CompletedProcess(cmd, 0)
 
@@ -233,7 +270,8 @@ def test_an_ablation_killed_between_stages_continues_without_repeating_a_finishe
         calls.append(("glue", variant, task, seed, recipe["lr"]))
         if kill["at"] == (variant, task, seed):
             raise KeyboardInterrupt  # the job killed here
-        results = {"task": task, "accuracy": 0.5 + seed / 100 + (variant == "HC") / 10, "seed": seed, **recipe}
+        results = {"task": task, "accuracy": 0.5 + seed / 100 + (variant == "HC") / 10, "seed": seed, **recipe,
+                   "max_train_samples": max_train_samples}
         folder.mkdir(parents=True)
         (folder / "results.json").write_text(json.dumps(results))
         return results
@@ -250,8 +288,9 @@ def test_an_ablation_killed_between_stages_continues_without_repeating_a_finishe
     with pytest.raises(KeyboardInterrupt):
         ablation.run_ablation(build_parser().parse_args(argv))
     done = json.loads((out / "stages.json").read_text())["done"]
-    assert list(done) == ["baseline/pretrain", "baseline/export", "baseline/fn-stats", "baseline/glue/rte (seeds 1,2)",
-                          "baseline/glue/mrpc (seeds 1,2)", "HC/pretrain", "HC/export", "HC/fn-stats",
+    fn = f"fn-stats (data {tmp_path / 'valid.txt'})"
+    assert list(done) == ["baseline/pretrain", "baseline/export", f"baseline/{fn}", "baseline/glue/rte (seeds 1,2)",
+                          "baseline/glue/mrpc (seeds 1,2)", "HC/pretrain", "HC/export", f"HC/{fn}",
                           "HC/glue/rte (seeds 1,2)"]
     assert ("fn-stats", ["global_step4", "global_step8"]) in calls  # the schedule's checkpoints only
     assert ("glue", "baseline", "rte", 1, 1e-4) in calls  # a bert-tiny-sized export: BERT's compact recipe
@@ -276,6 +315,14 @@ def test_an_ablation_killed_between_stages_continues_without_repeating_a_finishe
     with pytest.raises(UserError, match=r"was fine-tuned with lr 0.0001 \(now 0.001\)"):
         ablation.run_ablation(build_parser().parse_args([*more, "--lr", "1e-3"]))
     assert calls == []
+    # so does a subset of the training examples that the finished seeds did not train on
+    with pytest.raises(UserError, match=r"was fine-tuned with max_train_samples None \(now 100\)"):
+        ablation.run_ablation(build_parser().parse_args([*more, "--max-train-samples", "100"]))
+    assert calls == []
+    # fn-stats over other text runs again (and the report), the fine-tunings do not
+    ablation.run_ablation(build_parser().parse_args([*more, "--fn-max-sequences", "2"]))
+    assert [c[0] for c in calls] == ["fn-stats", "fn-stats"] and len(reports) == 3
+    calls.clear()
     # other pre-training settings in the same folder would mix two runs: one line, nothing run
     with pytest.raises(UserError, match=r"holds an ablation run with steps 8 \(now 9\)"):
         ablation.run_ablation(build_parser().parse_args([*argv, "--steps", "9"]))

@@ -79,7 +79,7 @@ RECIPE = {"epochs": 2, "lr": 5e-4, "batch_size": 16, "seed": 7, "max_train_sampl
           "max_seq_len": 64}
 DEV = 200  # the first 200 dev sentences (SST-2's dev set is balanced: 49.5 % positive here)
 RESULT_KEYS = {"task", "model", "accuracy", "train_samples", "eval_samples", "epochs", "lr", "batch_size", "seed",
-               "layerwise_decay"}
+               "layerwise_decay", "warmup_ratio", "max_seq_len", "max_train_samples"}
 
 
 @pytest.fixture(scope="module")

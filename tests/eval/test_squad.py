@@ -84,7 +84,7 @@ def test_finetuning_fits_its_questions_and_saves_what_it_scored(tmp_path, monkey
     saved = json.loads((tmp_path / "fit" / "results.json").read_text())
     assert saved == trained and set(saved) == {"model", "exact_match", "f1", "train_samples", "eval_samples", "epochs",
                                                "lr", "batch_size", "layerwise_decay", "warmup_ratio", "max_seq_len",
-                                               "doc_stride", "seed"}
+                                               "doc_stride", "max_train_samples", "seed"}
     predictions = json.loads((tmp_path / "fit" / "predictions.json").read_text())
     examples = read_squad(questions)[:n]
     assert set(predictions) == {e["id"] for e in examples}

@@ -134,22 +134,28 @@ def finetune_glue(task: str, model: Path, args: argparse.Namespace, out: Path) -
     epochs = TASKS[task].epochs if values.get("epochs") is None else values["epochs"]  # as results.json has them
     return run_seeds(lambda seed, folder: finetune(task, model, glue_dir, folder, seed=seed,
                                                    max_train_samples=args.max_train_samples, **values),
-                     args.finetune_seeds, out, expect={"task": task, **values, "epochs": epochs})
+                     args.finetune_seeds, out, expect={"task": task, **values, "epochs": epochs,
+                                                       "max_train_samples": args.max_train_samples})
 
 
 def tuning(args: argparse.Namespace) -> str:
     """What a GLUE / SQuAD stage is recorded with: other seeds or recipe flags run it again (the seeds done are
     kept, and run_seeds refuses in one line a recipe that differs from theirs)."""
-    given = [f"{k} {getattr(args, k)}" for k in ("recipe", "lr", "epochs", "batch_size", "layerwise_decay")
-             if getattr(args, k, None) not in (None, "auto")]
+    given = [f"{k} {getattr(args, k)}" for k in ("recipe", "lr", "epochs", "batch_size", "layerwise_decay",
+                                                 "max_train_samples") if getattr(args, k, None) not in (None, "auto")]
     return " ".join(["seeds", ",".join(map(str, args.finetune_seeds)), *given])
+
+
+def fn_settings(args: argparse.Namespace) -> str:
+    """What an fn-stats stage is recorded with: other text or another sequence limit runs it again."""
+    return " ".join(["data", *args.fn_data, *(["max", str(args.fn_max_sequences)] if args.fn_max_sequences else [])])
 
 
 def finetune_squad_seeds(model: Path, args: argparse.Namespace, out: Path) -> dict:
     values = recipe(model, args, "squad")
     return run_seeds(lambda seed, folder: finetune_squad(model, args.squad_train, args.squad_dev, folder, seed=seed,
                                                          max_train_samples=args.max_train_samples, **values),
-                     args.finetune_seeds, out, expect=values)
+                     args.finetune_seeds, out, expect={**values, "max_train_samples": args.max_train_samples})
 
 
 class Stages:
@@ -255,7 +261,7 @@ def run_ablation(args: argparse.Namespace) -> dict:
         stage(f"{variant}/pretrain", _pretrained, variant, args, folder)
         stage(f"{variant}/export", export, folder / CHECKPOINTS, folder / "hf")
         if args.fn_checkpoints:
-            stage(f"{variant}/fn-stats", fn_stats, variant, args, folder)
+            stage(f"{variant}/fn-stats ({fn_settings(args)})", fn_stats, variant, args, folder)
         for task in tasks:
             stage(f"{variant}/glue/{task} ({tuning(args)})", finetune_glue, task, folder / "hf", args,
                   folder / "glue" / task)

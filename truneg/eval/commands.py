@@ -48,7 +48,7 @@ def _finetune_glue(args) -> None:
             return finetune(args.task, args.model, args.data_dir, out, max_train_samples=args.max_train_samples,
                             seed=seed, deepspeed_config=args.deepspeed_config, **recipe)
 
-        run_one.recipe = {"task": args.task, **recipe}
+        run_one.recipe = {"task": args.task, **recipe, "max_train_samples": args.max_train_samples}
         if recipe.get("epochs") is None and args.task in TASKS:  # the task's own, as results.json records it
             run_one.recipe["epochs"] = TASKS[args.task].epochs
         results = _over_seeds(args, run_one)
@@ -66,7 +66,7 @@ def _finetune_squad(args) -> None:
                                   max_eval_samples=args.max_eval_samples, seed=seed,
                                   deepspeed_config=args.deepspeed_config, **recipe)
 
-        run_one.recipe = recipe
+        run_one.recipe = {**recipe, "max_train_samples": args.max_train_samples}
         results = _over_seeds(args, run_one)
     print(json.dumps(results, indent=2))
 

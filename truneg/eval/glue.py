@@ -342,7 +342,8 @@ def finetune(task_name: str, model_dir: str | Path, data_dir: str | Path, output
                         if k.startswith(prefix) and k[len(prefix):] in METRIC_NAMES})
     results = {"task": task_name, "model": str(model_dir), **metrics, "train_samples": len(train_rows),
                "eval_samples": sum(len(r) for r in dev_sets.values()), "epochs": epochs, "lr": lr,
-               "batch_size": batch_size, "seed": seed, "layerwise_decay": layerwise_decay}
+               "batch_size": batch_size, "seed": seed, "layerwise_decay": layerwise_decay, "warmup_ratio": warmup_ratio,
+               "max_seq_len": max_seq_len, "max_train_samples": max_train_samples}
     trainer.save_model(str(output_dir / "model"))  # model and tokenizer, for `truneg robustness` and further use
     if trainer.is_world_process_zero():
         output_dir.mkdir(parents=True, exist_ok=True)

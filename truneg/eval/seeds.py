@@ -22,7 +22,8 @@ from truneg.errors import UserError
 # the recipe, which must be the same for every seed.
 METRICS = ("accuracy", "f1", "matthews_correlation", "pearson", "spearmanr", "exact_match")
 RECIPE_KEYS = ("task", "epochs", "lr", "batch_size", "layerwise_decay", "warmup_ratio", "max_seq_len", "doc_stride",
-               "train_samples")
+               "train_samples", "max_train_samples")
+NONE_IS_A_VALUE = ("max_train_samples",)  # None: every training example, not "not given"
 REPORTED = "median"
 
 
@@ -69,7 +70,7 @@ def combine(per_seed: dict[int, dict]) -> dict:
 
 def _check_same_recipe(done: dict, expect: dict, folder: Path) -> None:
     differ = [f"{k} {done[k]} (now {expect[k]})" for k in RECIPE_KEYS
-              if k in done and expect.get(k) is not None and done[k] != expect[k]]
+              if k in done and k in expect and (expect[k] is not None or k in NONE_IS_A_VALUE) and done[k] != expect[k]]
     if differ:
         raise UserError(f"{folder} was fine-tuned with {', '.join(differ)}; give the same flags to continue it, or "
                         "another --output-dir")

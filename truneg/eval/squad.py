@@ -239,7 +239,8 @@ def finetune_squad(model_dir: str | Path, train_file: str | Path, dev_file: str 
     results = {"model": str(model_dir), "exact_match": logged["eval_dev_exact_match"], "f1": logged["eval_dev_f1"],
                "train_samples": len(train_examples), "eval_samples": len(dev_examples), "epochs": epochs, "lr": lr,
                "batch_size": batch_size, "layerwise_decay": layerwise_decay, "warmup_ratio": warmup_ratio,
-               "max_seq_len": max_seq_len, "doc_stride": doc_stride, "seed": seed}
+               "max_seq_len": max_seq_len, "doc_stride": doc_stride, "max_train_samples": max_train_samples,
+               "seed": seed}
     trainer.save_model(str(output_dir / "model"))
     if trainer.is_world_process_zero():
         output_dir.mkdir(parents=True, exist_ok=True)
