@@ -1,10 +1,14 @@
 """Silent faults, in one process: the checkpoint manifest and `truneg verify`, truneg's own files under torch's safe
-unpickler, the replica check's fingerprint and message, and the step watchdog's naming of the ranks behind. (The
-same with real ranks: test_reliability's and test_distributed's launches.)"""
+unpickler, the replica check's fingerprint and message, the step watchdog's naming of the ranks behind, its dumps
+and its fallback while the GIL is held. (The same with real ranks: test_reliability's and test_distributed's
+launches.)"""
 from __future__ import annotations
 
+import os
 import pickle
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cli_in_process, flip_tensor_byte, free_port
+from conftest import REPO, cli_in_process, flip_tensor_byte, free_port
 
 from truneg.errors import UserError
 from truneg.train import checkpoint, integrity, replicas
@@ -216,6 +220,59 @@ def test_the_step_watchdog_names_a_stopped_rank_and_those_behind(tmp_path, capfd
     assert ("truneg: error: step 7's checkpoint save ran past 1 s (the collective timeout less a minute): rank 1 is "
             "still in step 7 (its training); every running rank's stack") in err, err
     assert "step 7 ran past --step-timeout 1 s: rank 0 names the ranks behind" in err
+
+
+def test_on_a_gpu_the_hang_dump_adds_nccls_flight_recorder_beside_the_stacks(tmp_path, monkeypatch):
+    """The recorder is switched on before the process group (a user's own buffer size kept) and its trace written
+    beside each rank's stacks; without CUDA, or with the recorder off, the stacks alone. (NCCL's own trace is only
+    on GPUs: here torch's dump function stands in for it.)"""
+    from truneg.train.watchdog import NCCL_TRACE_ENV, enable_flight_recorder
+
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    monkeypatch.setenv(NCCL_TRACE_ENV, "500")
+    enable_flight_recorder()
+    assert (os.environ[NCCL_TRACE_ENV], os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"]) == ("500", "1")
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: b"the last collectives",
+                        raising=False)
+    dog = StepWatchdog(60, tmp_path, 3, 4, dist.HashStore(), exit_=lambda code: None, fallback=False)
+    try:
+        for cuda, recorder, folder in ((False, "500", "cpu"), (True, "", "off"), (True, "500", "gpu")):
+            monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+            monkeypatch.setenv(NCCL_TRACE_ENV, recorder)
+            dog.hang_dir = tmp_path / folder
+            stacks = dog._dump(9)
+            assert stacks == tmp_path / folder / "step9_rank00003.stacks.txt" and "_dump" in stacks.read_text()
+            assert {p.name for p in (tmp_path / folder).iterdir()} == {
+                stacks.name, *(["step9_rank00003.nccl_trace.pickle"] if folder == "gpu" else [])}, folder
+        assert (tmp_path / "gpu" / "step9_rank00003.nccl_trace.pickle").read_bytes() == b"the last collectives"
+    finally:
+        dog.close()
+
+
+GIL_HELD = """
+import sys, time, torch.distributed as dist
+from truneg.train import watchdog
+watchdog.STORE_TIMEOUT_S, watchdog.FALLBACK_GRACE_S = 0.1, 0.5
+dog = watchdog.StepWatchdog(0.5, sys.argv[1], 0, 2, dist.HashStore(), beat_s=0.1)
+dog.started(3)
+print(dog.fallback_s(), flush=True)
+def a_step_holding_the_gil():
+    return sum(range(10 ** 12))  # one C call: the watchdog thread never gets the GIL back
+a_step_holding_the_gil()
+"""
+
+
+def test_a_step_that_holds_the_gil_is_ended_by_faulthandlers_timer_with_its_stack(tmp_path):
+    """The watchdog thread cannot run while the main thread holds the GIL: faulthandler's own timer (a C thread)
+    writes the main thread's stack to stderr and ends the process, past the thread's own deadline."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", GIL_HELD, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    elapsed = time.monotonic() - t0
+    fallback_s = float(proc.stdout.split()[0])
+    assert proc.returncode == 1 and elapsed >= fallback_s, (proc.returncode, elapsed, proc.stderr[-2000:])
+    assert "Timeout" in proc.stderr and "a_step_holding_the_gil" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "hang").exists()  # the thread never ran its diagnosis
 
 
 def test_a_resumes_load_is_timed_by_the_long_limit_with_a_watchdog_of_its_own(tmp_path, capfd, world_of_one):

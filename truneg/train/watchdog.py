@@ -35,6 +35,9 @@ from deepspeed.constants import default_pg_timeout
 
 HANG_DIR = "hang"
 STORE_TIMEOUT_S = 5.0
+# The GIL-held fallback fires this long after the watchdog thread would have spoken (its beats, the store's reads
+# and rank 0's wait for the others included), so that it never pre-empts the thread's diagnosis.
+FALLBACK_GRACE_S = 20.0
 KEY = "truneg/beat/{rank}"
 DONE_KEY = "truneg/hang_diagnosed"
 NCCL_TRACE_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
@@ -100,10 +103,13 @@ class StepWatchdog:
         # if the main thread holds the GIL, this thread cannot run: faulthandler's timer needs no GIL
         if self.fallback:
             try:
-                faulthandler.dump_traceback_later(self.limit_s + 4 * self.beat_s + 3 * STORE_TIMEOUT_S + 20,
-                                                  exit=True, file=sys.__stderr__)
+                faulthandler.dump_traceback_later(self.fallback_s(), exit=True, file=sys.__stderr__)
             except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr with a file descriptor
                 self.fallback = False
+
+    def fallback_s(self) -> float:
+        """When faulthandler's timer dumps the stacks and ends the process, counted from the phase's start."""
+        return self.limit_s + 4 * self.beat_s + 3 * STORE_TIMEOUT_S + FALLBACK_GRACE_S
 
     def ended(self) -> None:
         self.since = self._timing = None
