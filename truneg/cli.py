@@ -61,10 +61,9 @@ def _verify(args) -> None:
             raise UserError(f"{checkpoint_dir / tag} does not exist; pass a checkpoints folder and one of its tags")
     else:
         checkpoint_dir, tag = checkpoint.resolve_tag(args.checkpoints)
-    found, has_manifest = integrity.verify_offline(checkpoint_dir / tag)
-    if not has_manifest:
-        print(f"truneg: warning: {checkpoint_dir / tag} has no {integrity.MANIFEST_FILE} (written before truneg "
-              "checksummed its checkpoints): its files were only opened, a changed byte is not found", file=sys.stderr)
+    found, warning = integrity.verify_offline(checkpoint_dir / tag)
+    if warning:
+        print(f"truneg: warning: {warning}", file=sys.stderr)
     for line in found:
         print(f"truneg: error: {line}", file=sys.stderr)
     if found:

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, start = build.checked_start(argv)
 
     # 2. Processes: one per device, gloo on the CPU; every node must see the same output folder.
-    rank, world_size = distributed.init_distributed()
+    rank, world_size = distributed.init_distributed(cfg.output_dir)
     run_dir.check_shared_output_dir(cfg.output_dir, rank, world_size,
                                     checkpoint.step_of_tag(start.resume.tag) if start.resume else -1)
 

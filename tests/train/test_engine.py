@@ -47,6 +47,9 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs):
     assert tags == ["global_step16", "global_step24", "hf_config", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
     shards = sorted(p.name for p in (out / "checkpoints" / "global_step24").iterdir())
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in shards and "truneg_rank00001.pt" in shards
+    for rank in range(2):  # truneg's own files, as a run writes them, pass torch's safe unpickler
+        state = torch.load(out / "checkpoints" / "global_step24" / f"truneg_rank0000{rank}.pt", weights_only=True)
+        assert set(state) >= {"rng", "metrics"}, set(state)
     assert "tensorboard --logdir" in proc.stdout
     # the console line: step out of the total, loss, lr, samples/s, ETA, and HC's ratios
     line = next(x for x in proc.stdout.splitlines() if x.startswith(f"step {MAX_STEPS}/{MAX_STEPS} "))

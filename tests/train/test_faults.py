@@ -57,6 +57,11 @@ def test_truneg_rank_files_load_with_weights_only_and_older_ones_with_a_warning(
     loaded = checkpoint.load_rank_state(old)
     assert f"warning: {old} was written before truneg saved plain types" in capsys.readouterr().out
     checkpoint.set_rng_state(loaded["rng"])
+    # but not in a tag saved since (it has a manifest): such a file is not truneg's, and is not unpickled
+    (tmp_path / integrity.MANIFEST_FILE).write_text("{}")
+    with pytest.raises(UserError, match=rf"^{old} holds more than tensors and plain types, which truneg does not "
+                                        "write: it is not truneg's; resume only from checkpoints you trust$"):
+        checkpoint.load_rank_state(old)
 
 
 def make_tag(folder: Path) -> Path:
@@ -119,18 +124,55 @@ def test_the_save_shares_out_the_union_of_the_files_each_rank_lists(tmp_path, mo
     assert sorted(integrity.hash_share(tag)) == sorted(everything)[0::2]
 
 
-def test_a_checkpoint_without_a_manifest_resumes_and_verifies_with_a_warning(tmp_path, world_of_one, capsys):
+class Planted:
+    """A pickle that runs code when loaded: it creates the file `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_checkpoint_without_a_manifest_resumes_and_verifies_by_its_zip_crcs_without_unpickling(tmp_path,
+                                                                                                  world_of_one, capsys):
+    """A tag written before the manifest resumes and verifies with a warning; verify reads torch.save's own CRC32s
+    (a changed byte inside a tensor and a file cut short are found; its legacy-format file is said unchecked) and
+    unpickles nothing: a planted pickle does not run."""
     folder = tmp_path / "checkpoints"
     tag = make_tag(folder)
+    torch.save({"rng": Planted(tmp_path / "ran")}, tag / "truneg_rank00001.pt")
     checkpoint._commit(folder, tag.name, 8, 1)  # as truneg wrote them before the manifest
+    proc = cli_in_process("verify", str(tag))
+    assert proc.returncode == 0 and proc.stderr == (
+        f"truneg: warning: {tag} has no truneg_manifest.json (written before truneg checksummed its checkpoints): "
+        "its files' own CRCs were read instead (1 file(s) in torch's legacy format unchecked)\n"), proc.stderr
+    assert not (tmp_path / "ran").exists()
     integrity.verify_before_load(tag, 1)
     assert f"warning: {tag} has no truneg_manifest.json" in capsys.readouterr().out
-    proc = cli_in_process("verify", str(tag))
-    assert proc.returncode == 0 and "has no truneg_manifest.json" in proc.stderr
-    cut = tag / "mp_rank_00_model_states.pt"
+    flipped, cut = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "mp_rank_00_model_states.pt"
+    flip_tensor_byte(flipped)
     cut.write_bytes(cut.read_bytes()[:1000])
     proc = cli_in_process("verify", str(tag))
-    assert proc.returncode == 2 and f"truneg: error: cannot read checkpoint {tag}: {cut.name} is damaged" in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 3, proc.stderr
+    assert lines[1].startswith(f"truneg: error: {cut} is damaged (") and lines[2].startswith(
+        f"truneg: error: {flipped} is damaged: its record ") and lines[2].endswith(" fails its CRC32"), lines
+
+
+def test_verify_refuses_an_incomplete_tag_and_a_manifest_of_the_wrong_shape_in_one_line(tmp_path, world_of_one):
+    folder = tmp_path / "checkpoints"
+    tag = make_tag(folder)  # files, but no META: a save cut before its end
+    proc = cli_in_process("verify", str(folder), "--tag", tag.name)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"truneg: error: {tag} is incomplete: it has no truneg_meta.json (a save cut short, or not a truneg "
+        "checkpoint)\n"), proc.stderr
+    checkpoint._commit(folder, tag.name, 8, 1, integrity.hash_share(tag))
+    for damaged in ('{"files": []}', '{"files": {}}', '{"files": {"x.pt": {}}}', '[1]', "{"):
+        (tag / integrity.MANIFEST_FILE).write_text(damaged)
+        proc = cli_in_process("verify", str(folder))
+        assert proc.returncode == 2 and proc.stderr == (f"truneg: error: {tag / integrity.MANIFEST_FILE} is damaged; "
+                                                        "resume from another tag with --resume DIR\n"), damaged
 
 
 def test_the_replica_fingerprint_is_exact_and_a_difference_names_the_rank_and_the_parameter(monkeypatch):
@@ -161,16 +203,17 @@ def test_the_replica_fingerprint_is_exact_and_a_difference_names_the_rank_and_th
     replicas.check(engine, 12, "global_step8")  # the same weights: nothing said
 
 
-def watchdogs(tmp_path: Path, world_size: int, ranks: int, timeouts: list[float], long_limit_s: float = 30.0):
-    """`ranks` of a world of `world_size` on one store (as rank 0 hosts it), their exits recorded; an event set once
-    two have exited; and the store's server, to be kept alive."""
+def watchdogs(tmp_path: Path, world_size: int, ranks: int, timeouts: list[float], long_limit_s: float = 30.0,
+              exiting: int = 2):
+    """`ranks` of a world of `world_size` on one store (as rank 0 hosts it), their exits recorded in order; an event
+    set once `exiting` have exited; and the store's server, to be kept alive."""
     server = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
     exits, done = {}, threading.Event()
 
     def exit_of(rank):
         def record(code):
             exits[rank] = code
-            if len(exits) == 2:
+            if len(exits) == exiting:
                 done.set()
         return record
 
@@ -180,32 +223,36 @@ def watchdogs(tmp_path: Path, world_size: int, ranks: int, timeouts: list[float]
 
 
 def test_the_step_watchdog_names_a_stopped_rank_and_those_behind(tmp_path, capfd):
-    """Rank 1's process stopped (its beat stops), rank 2 still in the step before, rank 3 never started. Rank 0's
-    step runs past the timeout: it writes its stack, names the three, and exits 2; rank 2, past the timeout too,
-    writes its own stack and exits after rank 0 has spoken. Then a save, timed by the long limit: rank 0 in step
-    7's save names rank 1, still in step 7's training."""
-    dogs, exits, done, _server = watchdogs(tmp_path, 4, 3, [1.0] * 3)
+    """Rank 1's process stopped (its beat stops), rank 2 still in the step before, rank 3 in step 7 but started
+    later (its limit not yet passed), rank 4 never started. Rank 0's step runs past the timeout: it writes its stack,
+    names ranks 1, 2 and 4, and exits 2 after every running rank has heard it (its exit closes the store): rank 2,
+    past its timeout too, and rank 3 at its next beat, each with its own stack and line. Then a save, timed by the
+    long limit: rank 0 in step 7's save names rank 1, still in step 7's training."""
+    dogs, exits, done, _server = watchdogs(tmp_path, 5, 4, [1.0, 1.0, 1.0, 30.0], exiting=3)
     try:
         time.sleep(0.5)
         dogs[1].started(7)
         time.sleep(0.3)  # one beat in step 7, then the process stops
         dogs[1].paused.set()
         dogs[2].started(6)
+        dogs[3].started(7)
         dogs[0].started(7)
         assert done.wait(20), exits
     finally:
         for dog in dogs:
             dog.close()
-    assert exits == {0: 2, 2: 2}
+    assert exits == {0: 2, 2: 2, 3: 2} and list(exits)[-1] == 0, exits  # rank 0 last
     err = capfd.readouterr().err
     [line] = [line for line in err.splitlines() if "step 7 ran past" in line]
     assert line.startswith("truneg: error: step 7 ran past --step-timeout 1 s: rank 1 stopped running (last seen in "
-                           "step 7); rank 2 is still in step 6; rank 3 does not answer; every running rank's stack "
+                           "step 7); rank 2 is still in step 6; rank 4 does not answer; every running rank's stack "
                            "is in"), line
     assert "step 6 ran past --step-timeout 1 s: rank 0 names the ranks behind" in err
+    assert "truneg: error: rank 0 found step 7 past its limit and names the ranks behind; this rank's stack" in err
     stacks = (tmp_path / "hang" / "step7_rank00000.stacks.txt").read_text()
     assert "test_the_step_watchdog_names_a_stopped_rank_and_those_behind" in stacks  # the main thread, waiting
     assert (tmp_path / "hang" / "step6_rank00002.stacks.txt").is_file()
+    assert (tmp_path / "hang" / "step7_rank00003.stacks.txt").is_file()
     assert not (tmp_path / "hang" / "step7_rank00001.stacks.txt").exists()
 
     dogs, exits, done, _server = watchdogs(tmp_path / "save", 2, 2, [30.0, 1.0], long_limit_s=1.0)
@@ -228,10 +275,13 @@ def test_on_a_gpu_the_hang_dump_adds_nccls_flight_recorder_beside_the_stacks(tmp
     on GPUs: here torch's dump function stands in for it.)"""
     from truneg.train.watchdog import NCCL_TRACE_ENV, enable_flight_recorder
 
-    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(NCCL_TRACE_ENV, "500")
-    enable_flight_recorder()
-    assert (os.environ[NCCL_TRACE_ENV], os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"]) == ("500", "1")
+    enable_flight_recorder(tmp_path)
+    assert [os.environ[name] for name in (NCCL_TRACE_ENV, "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                                          "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")] == [
+        "500", "1", f"{tmp_path}/nccl_trace_rank_"]  # NCCL's own dump: into the output folder, not /tmp
     monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: b"the last collectives",
                         raising=False)
     dog = StepWatchdog(60, tmp_path, 3, 4, dist.HashStore(), exit_=lambda code: None, fallback=False)

@@ -488,7 +488,11 @@ def test_a_stopped_rank_and_diverged_replicas_stop_the_run_with_one_line_naming_
     try:
         assert wait_for(lambda: len(read_metrics(hang_out)) >= 3 or hang[0].poll() is not None, timeout=240)
         os.kill(hang[1].pid, signal.SIGSTOP)
-        hang[0].wait(timeout=120)  # far below the collective timeout: the watchdog ended it
+        stopped = time.monotonic()
+        hang[0].wait(timeout=120)
+        # within the timeout plus the watchdog's beat and its two reads of the beats (4 s at 8 s), far below the
+        # collective timeout (10 minutes)
+        assert time.monotonic() - stopped < 8 + 12
         for proc in diverge:
             proc.wait(timeout=240)
     finally:

@@ -281,10 +281,14 @@ def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str, saved_world_si
 
 def load_rank_state(path: Path) -> dict:
     """A rank's own file, with torch's safe unpickler. A file written before truneg stored plain types there
-    (numpy's RNG state pickled as numpy objects) loads as the pickle it is, with a warning."""
+    (numpy's RNG state pickled as numpy objects) loads as the pickle it is, with a warning; only in a tag of that
+    time (no manifest): one with a manifest was saved since, so its rank files hold nothing else."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
+        if (path.parent / integrity.MANIFEST_FILE).is_file():
+            raise UserError(f"{path} holds more than tensors and plain types, which truneg does not write: it is not "
+                            "truneg's; resume only from checkpoints you trust") from None
         print(f"truneg: warning: {path} was written before truneg saved plain types there; loading it with pickle",
               flush=True)
         return torch.load(path, map_location="cpu", weights_only=False)

@@ -95,12 +95,13 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(output_dir: Path | None = None) -> tuple[int, int]:
     """deepspeed.init_distributed with gloo on the CPU; `python -m truneg.pretrain` runs as a world of one.
 
     On GPUs each process is bound to its own, cuda:LOCAL_RANK, before any collective: DeepSpeed does it only
     inside deepspeed.initialize, and NCCL refuses a tensor on cuda:0 (the default device) from a rank whose
-    process group is bound to another GPU, as DeepSpeed binds it on torch >= 2.3."""
+    process group is bound to another GPU, as DeepSpeed binds it on torch >= 2.3. `output_dir`: on GPUs, where
+    NCCL's flight recorder dumps on NCCL's own timeout."""
     adopt_launcher_env()
     if "RANK" not in os.environ:  # no launcher: a world of one, on a port of its own
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -108,8 +109,8 @@ def init_distributed() -> tuple[int, int]:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     accelerator = get_accelerator()
     backend = "gloo" if accelerator.device_name() == "cpu" else None
-    if backend is None:
-        enable_flight_recorder()  # for --step-timeout's dump; read when the process group starts
+    if backend is None and output_dir is not None:
+        enable_flight_recorder(output_dir)  # for --step-timeout's dump; read when the process group starts
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=_left_to_mpi_discovery())
     if backend == "gloo":
         _unlink_shm_allreduce_buffer()

@@ -3,13 +3,15 @@ before a resume (a share per rank) and by `truneg verify`.
 
 torch.save's zip records carry CRC32s too, but reading them finds neither a file missing from a tag nor a changed
 byte in a file of torch's legacy format or DeepSpeed's other files, and zlib's crc32 runs at a fifth of xxh3's speed
-here (bench/checkpoint_integrity.py): the manifest hashes every file with xxh3-64.
+here (bench/checkpoint_integrity.py): the manifest hashes every file with xxh3-64. `truneg verify` reads those CRCs
+for a tag written before the manifest: they need no unpickling.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import zipfile
 from pathlib import Path
 
 import torch
@@ -63,9 +65,16 @@ def read_manifest(tag_dir: Path) -> dict[str, dict] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))["files"]
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+    except OSError as err:
+        raise UserError(f"cannot read {path} ({err.strerror or err}); check its permissions and file system") from None
     except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path} is damaged; resume from another tag with --resume DIR") from None
+        files = None
+    if not (isinstance(files, dict) and files and all(
+            isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("xxh3_64"), str)
+            for entry in files.values())):
+        raise UserError(f"{path} is damaged; resume from another tag with --resume DIR")
+    return files
 
 
 def problems(tag_dir: Path, names: list[str], manifest: dict[str, dict]) -> list[str]:
@@ -150,20 +159,44 @@ def check_readable(files: list[Path], tag_dir: Path) -> None:
                             "or start afresh with --resume none --overwrite") from None
 
 
-def verify_offline(tag_dir: Path) -> tuple[list[str], bool]:
-    """`truneg verify`: (one line per bad file, whether the tag has a manifest). A tag without one is only opened
-    file by file (a file cut short is found, a changed byte is not)."""
+LEGACY = "legacy"  # zip_problem's answer for a file in torch's legacy format: no CRCs to read
+
+
+def zip_problem(path: Path) -> str | None:
+    """What is wrong with a torch.save file by its zip's own CRC32 per record, read without unpickling anything
+    (a checkpoint from elsewhere may be code); None when intact. A file in torch's legacy format has no CRCs:
+    LEGACY."""
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"PK\x03\x04":
+                return LEGACY
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    except (zipfile.BadZipFile, EOFError, ValueError) as err:  # cut short: no central directory
+        return f"is damaged ({err})"
+    return None if bad is None else f"is damaged: its record {bad} fails its CRC32"
+
+
+def verify_offline(tag_dir: Path) -> tuple[list[str], str | None]:
+    """`truneg verify`: (one line per bad file, a warning or None). A tag without a manifest (written before it)
+    has each file's own zip CRCs read instead: a changed byte in torch's legacy format is not found."""
     manifest = read_manifest(tag_dir)
     if manifest is not None:
-        return problems(tag_dir, sorted(manifest), manifest), True
-    found = []
+        return problems(tag_dir, sorted(manifest), manifest), None
+    if not (tag_dir / META_FILE).is_file():
+        return [f"{tag_dir} is incomplete: it has no {META_FILE} (a save cut short, or not a truneg checkpoint)"], None
+    found, legacy = [], 0
     for name in tag_files(tag_dir):
-        if name.endswith(".pt"):
-            try:
-                check_readable([tag_dir / name], tag_dir)
-            except UserError as err:
-                found.append(str(err).split("; ")[0])
-    return found, False
+        problem = zip_problem(tag_dir / name) if name.endswith(".pt") else None
+        if problem == LEGACY:
+            legacy += 1
+        elif problem:
+            found.append(f"{tag_dir / name} {problem}")
+    unchecked = f" ({legacy} file(s) in torch's legacy format unchecked)" if legacy else ""
+    return found, (f"{tag_dir} has no {MANIFEST_FILE} (written before truneg checksummed its checkpoints): its files' "
+                   f"own CRCs were read instead{unchecked}")
 
 
 def read_by_load(name: str, world_size: int, saved_world_size: int | None) -> bool:

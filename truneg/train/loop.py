@@ -205,7 +205,8 @@ def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
 
 def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog: StepWatchdog | None) -> None:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
-    diverge_at = replicas.injected_step() if state.rank == 1 else None
+    diverge_at = replicas.injected_step()
+    diverge_at = diverge_at if state.rank == 1 else None
     check_replicas = cfg.replica_check_steps > 0 and replicas.applies(engine)
     started, start_step = time.perf_counter(), engine.global_steps
     state.metrics.interval_start = started  # the throughput counts training, not the start-up or a resume's load

@@ -6,8 +6,9 @@ Each rank's watchdog thread beats in the process group's store (on rank 0, reach
 own with short timeouts, so it keeps working while the collectives hang; gloo's and NCCL's waits release the
 GIL): the step the rank is in and a counter. When a step has run past the timeout, every rank that can still run
 writes its Python stack (faulthandler, every thread) and, on GPUs, NCCL's flight recorder into
-OUTPUT/hang/, and rank 0 names the ranks that are behind (in an earlier step) or not running (their beat stopped),
-prints one line and exits; the other ranks exit after it. A rank whose main thread holds the GIL cannot run
+OUTPUT/hang/, and rank 0 names the ranks that are behind (in an earlier step) or not running (their beat stopped)
+in one line. Every running rank hears it at its next beat (within its own limit or not), writes its stack and
+exits; rank 0 exits last, since its exit closes the store. A rank whose main thread holds the GIL cannot run
 its watchdog: faulthandler's own timer dumps its stack to stderr and ends it a little later.
 
 Covered by --step-timeout: each optimizer step (forward, backward, update, its all-reduces, the log and the replica
@@ -39,16 +40,18 @@ STORE_TIMEOUT_S = 5.0
 # and rank 0's wait for the others included), so that it never pre-empts the thread's diagnosis.
 FALLBACK_GRACE_S = 20.0
 KEY = "truneg/beat/{rank}"
-DONE_KEY = "truneg/hang_diagnosed"
+DONE_KEY = "truneg/hang_diagnosed"  # rank 0 has spoken: the step it diagnosed
+ACK_KEY = "truneg/hang_acks"  # the running ranks that have heard it (rank 0 then exits, taking its store along)
 NCCL_TRACE_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 STEP, FIRST_STEP, SAVE, LOAD = "step", "first step", "save", "load"  # the phases started() times
 
 
-def enable_flight_recorder() -> None:
+def enable_flight_recorder(output_dir: Path) -> None:
     """On GPUs, before the process group: NCCL's flight recorder keeps the last collectives of each rank, for the
-    dump (and torch's own dump on NCCL's timeout)."""
+    dump (and torch's own dump on NCCL's timeout, into OUTPUT/nccl_trace_rank_R rather than /tmp of each node)."""
     os.environ.setdefault(NCCL_TRACE_ENV, "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(output_dir) / "nccl_trace_rank_"))
 
 
 class StepWatchdog:
@@ -134,6 +137,12 @@ class StepWatchdog:
             if self.paused.is_set():
                 continue
             self._beat()
+            heard = self._rank_zero_spoke() if self.rank != 0 else None
+            if heard is not None:  # rank 0 found a hang while this rank's own limit had not passed: leave with it
+                where = self._dump(self.step).parent
+                self._leave(f"truneg: error: rank 0 found step {heard} past its limit and names the ranks behind; "
+                            f"this rank's stack is in {where}")
+                return
             timing = self._timing
             if timing is not None and time.monotonic() - timing[0] > timing[1]:
                 self._diagnose(timing[2])
@@ -163,23 +172,34 @@ class StepWatchdog:
                 beats[rank] = None
         return beats
 
-    def behind(self, step: int, saving: bool = False) -> list[str]:
-        """Rank 0: what each rank that is not in `step` and running is doing, read twice a few beats apart."""
+    def behind(self, step: int, saving: bool = False) -> tuple[list[str], int]:
+        """Rank 0: what each rank that is not in `step` and running is doing, read twice a few beats apart; and how
+        many of the other ranks are running (they beat)."""
         first = self._read_beats()
         time.sleep(2.5 * self.beat_s)
         second = self._read_beats()
-        found = []
+        found, running = [], 0
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
             before, now = first[rank], second[rank]
             if now is None:
                 found.append(f"rank {rank} does not answer")
-            elif before is not None and now[2] == before[2]:
+                continue
+            if before is not None and now[2] == before[2]:
                 found.append(f"rank {rank} stopped running (last seen in step {now[0]})")
-            elif now[:2] < (step, int(saving)):
+                continue
+            running += 1
+            if now[:2] < (step, int(saving)):
                 found.append(f"rank {rank} is still in step {now[0]}" + (" (its training)" if now[0] == step else ""))
-        return found
+        return found, running
+
+    def _rank_zero_spoke(self) -> int | None:
+        """The step rank 0 diagnosed, once it has; None before, or when its store does not answer."""
+        try:
+            return int(self.store.get(DONE_KEY)) if self.store.check([DONE_KEY]) else None
+        except Exception:
+            return None
 
     def _await_rank_zero(self) -> bool:
         deadline = time.monotonic() + 3 * self.beat_s + 2 * STORE_TIMEOUT_S + 5
@@ -193,6 +213,28 @@ class StepWatchdog:
             time.sleep(self.beat_s)
         return False
 
+    def _await_others(self, running: int) -> None:
+        """Rank 0, after speaking: the running ranks hear it within a beat; its exit would close the store first."""
+        deadline = time.monotonic() + 3 * self.beat_s + STORE_TIMEOUT_S
+        while running and time.monotonic() < deadline:
+            try:
+                if self.store.add(ACK_KEY, 0) >= running:
+                    return
+            except Exception:
+                return
+            time.sleep(self.beat_s / 4)
+
+    def _leave(self, line: str) -> None:
+        """A rank other than 0: tell rank 0 it has heard, say the line, exit."""
+        try:
+            self.store.add(ACK_KEY, 1)
+        except Exception:
+            pass
+        print(line, file=sys.stderr, flush=True)
+        if self.fallback:
+            faulthandler.cancel_dump_traceback_later()
+        self.exit(2)
+
     def _what(self, step: int) -> str:
         if self.phase == STEP:
             return f"step {step} ran past --step-timeout {self.timeout_s:g} s"
@@ -202,25 +244,24 @@ class StepWatchdog:
 
     def _diagnose(self, step: int) -> None:
         where = self._dump(step).parent
-        if self.rank == 0:
-            found = self.behind(step, saving=self.phase == SAVE)
-            who = "; ".join(found) if found else "every rank is in it (their stacks say where)"
-            line = (f"truneg: error: {self._what(step)}: {who}; every running rank's stack is in {where}. Resume "
-                    "from the last checkpoint once the node is replaced")
-            try:
-                self.store.set(DONE_KEY, "1")
-            except Exception:
-                pass
-        else:
-            # rank 0 names the ranks behind: exit after it (beating meanwhile, as a running rank), or the closed
-            # connections would end rank 0 first
+        if self.rank != 0:
+            # rank 0 names the ranks behind: wait for it (beating meanwhile, as a running rank)
             if self._await_rank_zero():
-                line = (f"truneg: error: {self._what(step)}: rank 0 names the ranks behind; this rank's stack is in "
-                        f"{where}")
+                self._leave(f"truneg: error: {self._what(step)}: rank 0 names the ranks behind; this rank's stack is "
+                            f"in {where}")
             else:
-                line = (f"truneg: error: {self._what(step)} and rank 0's store does not answer: rank 0 (or its node) "
-                        f"is the one behind; this rank's stack is in {where}")
-        print(line, file=sys.stderr, flush=True)
+                self._leave(f"truneg: error: {self._what(step)} and rank 0's store does not answer: rank 0 (or its "
+                            f"node) is the one behind; this rank's stack is in {where}")
+            return
+        found, running = self.behind(step, saving=self.phase == SAVE)
+        who = "; ".join(found) if found else "every rank is in it (their stacks say where)"
+        print(f"truneg: error: {self._what(step)}: {who}; every running rank's stack is in {where}. Resume from the "
+              "last checkpoint once the node is replaced", file=sys.stderr, flush=True)
+        try:
+            self.store.set(DONE_KEY, str(step))
+        except Exception:
+            pass
+        self._await_others(running)  # they exit with their own line, before this rank's exit closes the store
         if self.fallback:
             faulthandler.cancel_dump_traceback_later()
         self.exit(2)
