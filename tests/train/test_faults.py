@@ -22,7 +22,7 @@ from conftest import REPO, cli_in_process, flip_tensor_byte, free_port
 from truneg.errors import UserError
 from truneg.train import checkpoint, integrity, replicas
 from truneg.train.args import step_timeout_problem
-from truneg.train.watchdog import LOAD, SAVE, StepWatchdog
+from truneg.train.watchdog import ACK_KEY, DONE_KEY, LOAD, SAVE, StepWatchdog
 
 
 @pytest.fixture
@@ -153,11 +153,22 @@ def test_a_checkpoint_without_a_manifest_resumes_and_verifies_by_its_zip_crcs_wi
     flipped, cut = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "mp_rank_00_model_states.pt"
     flip_tensor_byte(flipped)
     cut.write_bytes(cut.read_bytes()[:1000])
+    (tag / "truneg_rank00002.pt").write_bytes(b"")  # emptied, or its first block zeroed: not read as legacy
+    (tag / "truneg_rank00003.pt").write_bytes(b"\0" * 4096 + (tag / "truneg_rank00000.pt").read_bytes()[4096:])
+    header = tag / "truneg_rank00004.pt"  # a changed byte in the zip's central directory: one line, no traceback
+    torch.save({"x": torch.ones(3)}, header)
+    data = bytearray(header.read_bytes())
+    at = data.rindex(b"PK\x01\x02") + 10  # the last directory entry's compression method
+    data[at] = 99
+    header.write_bytes(bytes(data))
     proc = cli_in_process("verify", str(tag))
     lines = proc.stderr.splitlines()
-    assert proc.returncode == 2 and len(lines) == 3, proc.stderr
-    assert lines[1].startswith(f"truneg: error: {cut} is damaged (") and lines[2].startswith(
-        f"truneg: error: {flipped} is damaged: its record ") and lines[2].endswith(" fails its CRC32"), lines
+    assert proc.returncode == 2 and len(lines) == 6 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[1].startswith(f"truneg: error: {cut} is damaged (") and lines[5].startswith(
+        f"truneg: error: {flipped} is damaged: its record ") and lines[5].endswith(" fails its CRC32"), lines
+    assert lines[2:4] == [f"truneg: error: {tag / name} is damaged: it does not begin as a torch.save file does"
+                          for name in ("truneg_rank00002.pt", "truneg_rank00003.pt")], lines
+    assert lines[4].startswith(f"truneg: error: {header} is damaged (NotImplementedError"), lines
 
 
 def test_verify_refuses_an_incomplete_tag_and_a_manifest_of_the_wrong_shape_in_one_line(tmp_path, world_of_one):
@@ -267,6 +278,26 @@ def test_the_step_watchdog_names_a_stopped_rank_and_those_behind(tmp_path, capfd
     assert ("truneg: error: step 7's checkpoint save ran past 1 s (the collective timeout less a minute): rank 1 is "
             "still in step 7 (its training); every running rank's stack") in err, err
     assert "step 7 ran past --step-timeout 1 s: rank 0 names the ranks behind" in err
+
+
+def test_a_rank_whose_collective_fails_after_rank_0_spoke_says_so_as_the_others_do(tmp_path, capfd):
+    """Ranks leaving after rank 0's diagnosis can make another rank's collective fail before its next beat: its
+    main thread, leaving on that exception, closes the watchdog as failed, which says the same line (no
+    traceback), acknowledges, and exits 2. A full disk puts the stacks on stderr, and the line says so."""
+    dogs, exits, _done, _server = watchdogs(tmp_path, 3, 3, [60.0] * 3)
+    try:
+        dogs[1].hang_dir.write_text("")  # a file where the folder goes: the stacks cannot be written
+        dogs[0].store.set(DONE_KEY, "7")
+        dogs[1].close(failed=True)
+        dogs[2].close()  # a run's normal end: nothing said
+    finally:
+        for dog in dogs:
+            dog.close()
+    assert exits == {1: 2} and int(dogs[0].store.add(ACK_KEY, 0)) == 1, exits
+    err = capfd.readouterr().err
+    assert ("truneg: error: rank 0 found step 7 past its limit and names the ranks behind; this rank's stack is on "
+            f"its stderr ({tmp_path / 'hang'}: ") in err, err
+    assert "test_a_rank_whose_collective_fails_after_rank_0_spoke" in err  # the stacks themselves
 
 
 def test_on_a_gpu_the_hang_dump_adds_nccls_flight_recorder_beside_the_stacks(tmp_path, monkeypatch):

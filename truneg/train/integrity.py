@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import zipfile
 from pathlib import Path
@@ -160,6 +161,8 @@ def check_readable(files: list[Path], tag_dir: Path) -> None:
 
 
 LEGACY = "legacy"  # zip_problem's answer for a file in torch's legacy format: no CRCs to read
+ZIP_START = b"PK\x03\x04"
+LEGACY_START = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)  # what torch's legacy format begins with
 
 
 def zip_problem(path: Path) -> str | None:
@@ -168,14 +171,17 @@ def zip_problem(path: Path) -> str | None:
     LEGACY."""
     try:
         with open(path, "rb") as handle:
-            if handle.read(4) != b"PK\x03\x04":
-                return LEGACY
+            start = handle.read(len(LEGACY_START))
+        if start == LEGACY_START:
+            return LEGACY
+        if not start.startswith(ZIP_START):
+            return "is damaged: it does not begin as a torch.save file does"
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except OSError as err:
         return f"cannot be read ({err.strerror or err})"
-    except (zipfile.BadZipFile, EOFError, ValueError) as err:  # cut short: no central directory
-        return f"is damaged ({err})"
+    except Exception as err:  # cut short (no central directory), or a header whose bytes changed
+        return f"is damaged ({type(err).__name__}: {str(err)[:200]})"
     return None if bad is None else f"is damaged: its record {bad} fails its CRC32"
 
 

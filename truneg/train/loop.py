@@ -196,11 +196,13 @@ def compile_summary() -> str:
 
 def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
     watchdog = StepWatchdog.for_run(cfg.step_timeout, cfg.output_dir)
+    failed = True
     try:
         _train(cfg, engine, state, watchdog)
+        failed = False
     finally:
         if watchdog is not None:
-            watchdog.close()
+            watchdog.close(failed)
 
 
 def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog: StepWatchdog | None) -> None:

@@ -10,6 +10,7 @@ parameter. At ZeRO-3 each rank holds only its partition of the weights, so there
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -74,7 +75,7 @@ def check(engine: DeepSpeedEngine, step: int, last_good: str | None) -> None:
 def injected_step() -> int | None:
     """TRUNEG_INJECT_DIVERGE's step (for the tests), read on every rank so that a bad value stops them all."""
     value = os.environ.get(INJECT_DIVERGE_ENV, "").strip()
-    if value and not value.isdigit():
+    if value and not re.fullmatch(r"[0-9]+", value):
         raise UserError(f"{INJECT_DIVERGE_ENV}={value} is not a step number; unset it, or give the step after "
                         "which rank 1 changes a weight")
     return int(value) if value else None

@@ -72,6 +72,7 @@ class StepWatchdog:
         self.store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
         self.step, self.since, self.beats = 0, None, 0
         self.paused = threading.Event()  # tests: a stopped process's thread stops beating
+        self.speaking = threading.Event()  # the thread is saying why the run stops, then ends the process
         self._stop = threading.Event()
         self._beat()  # at once: a rank stopped before the thread's first beat is still told from one never started
         self._thread = threading.Thread(target=self._run, name="truneg-step-watchdog", daemon=True)
@@ -90,13 +91,15 @@ class StepWatchdog:
     def timing(cls, timeout_s: float, output_dir: Path, step: int, phase: str) -> Iterator[None]:
         """One phase outside the steps (a resume's load) under the long limit, by a watchdog of its own."""
         watchdog = cls.for_run(timeout_s, output_dir)
+        failed = True
         try:
             if watchdog is not None:
                 watchdog.started(step, phase)
             yield
+            failed = False
         finally:
             if watchdog is not None:
-                watchdog.close()
+                watchdog.close(failed)
 
     def started(self, step: int, phase: str = STEP) -> None:
         self.step, self.phase = step, phase
@@ -119,7 +122,16 @@ class StepWatchdog:
         if self.fallback:
             faulthandler.cancel_dump_traceback_later()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the main thread is leaving on an exception, which may be a collective that failed because
+        other ranks left after rank 0 spoke: then this rank says so as they do (no traceback)."""
+        if threading.current_thread() is not self._thread:
+            if self.speaking.is_set():
+                self._thread.join(timeout=self.fallback_s())  # it ends the process
+            elif failed and self.rank != 0 and not self.paused.is_set():
+                heard = self._rank_zero_spoke()
+                if heard is not None:
+                    self._hear(heard)
         self.ended()
         self._stop.set()
         if threading.current_thread() is not self._thread:  # no late beat after a watchdog that follows it
@@ -139,14 +151,20 @@ class StepWatchdog:
             self._beat()
             heard = self._rank_zero_spoke() if self.rank != 0 else None
             if heard is not None:  # rank 0 found a hang while this rank's own limit had not passed: leave with it
-                where = self._dump(self.step).parent
-                self._leave(f"truneg: error: rank 0 found step {heard} past its limit and names the ranks behind; "
-                            f"this rank's stack is in {where}")
+                self._hear(heard)
                 return
             timing = self._timing
             if timing is not None and time.monotonic() - timing[0] > timing[1]:
                 self._diagnose(timing[2])
                 return
+
+    def _stacks(self, step: int) -> str:
+        """Where this rank's stacks went: the hang folder, or stderr when it cannot be written (a full disk)."""
+        try:
+            return f"in {self._dump(step).parent}"
+        except OSError as err:
+            faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+            return f"on its stderr ({self.hang_dir}: {err.strerror or err})"
 
     def _dump(self, step: int) -> Path:
         self.hang_dir.mkdir(parents=True, exist_ok=True)
@@ -224,12 +242,20 @@ class StepWatchdog:
                 return
             time.sleep(self.beat_s / 4)
 
-    def _leave(self, line: str) -> None:
-        """A rank other than 0: tell rank 0 it has heard, say the line, exit."""
-        try:
-            self.store.add(ACK_KEY, 1)
-        except Exception:
-            pass
+    def _hear(self, step: int) -> None:
+        """A rank other than 0, still within its own limit, once rank 0 has spoken: leave with it."""
+        self.speaking.set()
+        self._leave(f"truneg: error: rank 0 found step {step} past its limit and names the ranks behind; this rank's "
+                    f"stack is {self._stacks(self.step)}", heard=True)
+
+    def _leave(self, line: str, heard: bool) -> None:
+        """A rank other than 0: tell rank 0 it has heard (only then: rank 0 counts the ranks that did), say the
+        line, exit."""
+        if heard:
+            try:
+                self.store.add(ACK_KEY, 1)
+            except Exception:
+                pass
         print(line, file=sys.stderr, flush=True)
         if self.fallback:
             faulthandler.cancel_dump_traceback_later()
@@ -243,19 +269,20 @@ class StepWatchdog:
         return f"{what} ran past {self.limit_s:g} s (the collective timeout less a minute)"
 
     def _diagnose(self, step: int) -> None:
-        where = self._dump(step).parent
+        self.speaking.set()
+        where = self._stacks(step)
         if self.rank != 0:
             # rank 0 names the ranks behind: wait for it (beating meanwhile, as a running rank)
             if self._await_rank_zero():
                 self._leave(f"truneg: error: {self._what(step)}: rank 0 names the ranks behind; this rank's stack is "
-                            f"in {where}")
+                            f"{where}", heard=True)
             else:
                 self._leave(f"truneg: error: {self._what(step)} and rank 0's store does not answer: rank 0 (or its "
-                            f"node) is the one behind; this rank's stack is in {where}")
+                            f"node) is the one behind; this rank's stack is {where}", heard=False)
             return
         found, running = self.behind(step, saving=self.phase == SAVE)
         who = "; ".join(found) if found else "every rank is in it (their stacks say where)"
-        print(f"truneg: error: {self._what(step)}: {who}; every running rank's stack is in {where}. Resume from the "
+        print(f"truneg: error: {self._what(step)}: {who}; every running rank's stack is {where}. Resume from the "
               "last checkpoint once the node is replaced", file=sys.stderr, flush=True)
         try:
             self.store.set(DONE_KEY, str(step))
