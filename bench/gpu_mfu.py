@@ -17,7 +17,8 @@ $OUT/gpu_mfu.jsonl as each ends:
      (dropout 0: CUDA graphs' dropout draws are Inductor's own);
   6. ELECTRA-base through pretrain.py at seq 128 and at its recipe's seq 512.
 Samples/s as truneg records them (the median of the logged intervals after the first; the plain loop's timed the
-same way), MFU against 989 TFLOP/s (an H100/H200's dense bf16) with bench/flops.py's FLOPs per sample.
+same way), MFU against the GPU's dense bf16 peak (truneg.train.flops: 989 TFLOP/s on an H100 SXM or an H200) with
+truneg's FLOPs per sample, the formula behind the runs' own `tflops` and `mfu`.
 """
 from __future__ import annotations
 
@@ -37,12 +38,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.gpu_runs import CORPUS, DS_CONFIGS, cpu_substitute, patched, plain_step, run_pretrain  # noqa: E402
-from bench.gpu_step import PEAK_TFLOPS, tflops_per_sample  # noqa: E402
+from bench.gpu_step import tflops_per_sample  # noqa: E402
 
 BUDGET_S = int(os.environ.get("BUDGET_S", 540))
 VARIANT_LIMIT_S = 150  # one variant's most (a compile of BERT-large's parts takes about a minute): a hung one
 # leaves the others their time
-PEAK = PEAK_TFLOPS["H200"]
 STEPS, LOG = 15, 5  # the plain loops: the median of LOG-step intervals after the first
 PRETRAIN_STEPS = 3  # pretrain.py at the recipe's global batch (8192 for BERT-large): 32 micro-steps a step at 256
 
@@ -88,6 +88,8 @@ def ceiling_sdpa(dry: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from truneg.train.flops import TRAINING_FACTOR, attention_flops
+
     batch, heads, seq, dim = (2, 2, 32, 32) if dry else (256, 16, 128, 64)
     dtype, device = (torch.float32, "cpu") if dry else (torch.bfloat16, "cuda")
     q, k, v = (torch.randn(batch, heads, seq, dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
@@ -95,7 +97,8 @@ def ceiling_sdpa(dry: bool) -> dict:
     def step():
         F.scaled_dot_product_attention(q, k, v).sum().backward()
 
-    flops = 3.5 * 4 * batch * heads * seq * seq * dim  # forward 4 B H L^2 D, backward 2.5x it
+    # model FLOPs, as MFU counts them: 3x the forward's products (a flash backward's recompute is not counted)
+    flops = TRAINING_FACTOR * batch * attention_flops(seq, heads * dim)
     return {"sdpa_fwd_bwd_tflops": round(flops / _timed(step, dry, 10) / 1e12, 2)}
 
 
@@ -127,8 +130,12 @@ def ceiling_launch(dry: bool) -> dict:
 def _mfu(rate: float, preset: str, seq: int, dry: bool) -> float | None:
     if dry:  # tiny models: no MFU to speak of
         return None
-    per_sample = tflops_per_sample(preset, seq)
-    return None if per_sample is None else round(rate * per_sample / PEAK, 4)
+    import torch
+
+    from truneg.train.flops import dense_peak_tflops
+
+    peak = dense_peak_tflops(torch.cuda.get_device_name(), "bf16")
+    return None if peak is None else round(rate * tflops_per_sample(preset, seq) / peak, 4)
 
 
 def pretrain_variant(dry: bool, preset: str, seq: int, compiled: bool, hc_sr: bool) -> dict:

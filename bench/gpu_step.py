@@ -22,10 +22,6 @@ from bench.gpu_runs import (
     start_memory_peak,
 )
 
-# Training TFLOPs per sample at seq 128 (bench/flops.py, DeepSpeed's flops profiler; README "Measured figures").
-TFLOPS_PER_SAMPLE = {("bert-large", 128): 0.241, ("electra-base", 128): 0.078}
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "V100": 125.0}  # dense bf16 (V100: fp16)
-
 
 class SyncCounter:
     """Host syncs per phase. Implicit ones on CUDA: torch.cuda.set_sync_debug_mode("warn") and the warnings it
@@ -220,10 +216,11 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
 
     cuda = not mode.dry_run
     gemm = measure_gemm(cuda)
+    from truneg.train.flops import dense_peak_tflops
+
     name = torch.cuda.get_device_name() if cuda else "CPU"
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None) if cuda else None
-    note(f"  GEMM: {gemm:.3g} TFLOP/s ({'bf16 8192^3' if cuda else 'fp32 512^3'}); nominal peak "
-         f"{peak if peak else 'n/a'}")
+    note(f"  GEMM: {gemm:.3g} TFLOP/s ({'bf16 8192^3' if cuda else 'fp32 512^3'}); dense bf16 peak of {name}: "
+         f"{(dense_peak_tflops(name, 'bf16') if cuda else None) or 'n/a'}")
     if mode.dry_run:
         from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -254,14 +251,14 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
             continue
         rate = rates[variant] = statistics.median(timed)
         first_s = run.records[0]["samples"] / run.records[0]["samples_per_sec"]
-        memory = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB ({held / 2**30:.1f} held before)" if cuda
-                  else f"process peak RSS {_peak_rss_gib():.1f} GiB")
+        # the run's own peaks (each interval's, reset at every log step): the largest over its records
+        peak_gib = max(r["memory_max_allocated_gib" if cuda else "memory_max_rss_gib"] for r in run.records)
+        memory = (f"peak {peak_gib:.1f} GiB ({held / 2**30:.1f} held before)" if cuda
+                  else f"process peak RSS {peak_gib:.1f} GiB")
         per_sample = tflops_per_sample(model, mode.seq_len)
-        if per_sample is None:
-            mfu = "MFU n/a (no FLOPs count)"
-        else:
-            mfu = f"MFU {rate * per_sample / peak:.1%} of {peak:g}, " if peak else "MFU "
-            mfu += f"{rate * per_sample / gemm:.1%} of the GEMM ({per_sample:.3g} TFLOPs a sample)"
+        peak = dense_peak_tflops(name, run.engine["precision"]) if cuda else None  # the run's precision
+        mfu = f"MFU {rate * per_sample / peak:.1%} of {peak:g}, " if peak else "MFU "
+        mfu += f"{rate * per_sample / gemm:.1%} of the GEMM ({per_sample:.3g} TFLOPs a sample)"
         note(f"  {variant}: {model} seq {mode.seq_len} micro {micro} x {mode.bench_accum}, {run.engine['precision']} "
              f"ZeRO-{run.engine['zero']} {run.engine['optimizer']}: {rate:.1f} samples/s; {mfu}; {memory}; "
              f"first {mode.bench_log} steps {first_s:.1f} s")
@@ -277,22 +274,10 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
     return all_ok
 
 
-@functools.cache
-def tflops_per_sample(preset: str, seq_len: int) -> float | None:
-    """Training TFLOPs per sample: bench/flops.py's figure where the README has it (the two GPU presets at seq
-    128, no device time spent), else bench/flops.py run here (DeepSpeed's flops profiler, 3x the forward)."""
-    if (preset, seq_len) in TFLOPS_PER_SAMPLE:
-        return TFLOPS_PER_SAMPLE[preset, seq_len]
-    try:
-        from bench.flops import train_flops_per_sample
+def tflops_per_sample(preset: str, seq_len: int) -> float:
+    """Training TFLOPs per sample at the run's default --max-predictions: truneg's one formula
+    (truneg.train.flops, held within 2 % of DeepSpeed's flops profiler by tests/train/test_efficiency.py)."""
+    from truneg.train.flops import preset_train_flops
 
-        return train_flops_per_sample(preset, seq_len) / 1e12
-    except Exception:  # a broken FLOPs count costs the MFU column, not the stage
-        traceback.print_exc()
-        return None
+    return preset_train_flops(preset, seq_len) / 1e12
 
-
-def _peak_rss_gib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -65,12 +65,14 @@ def deepspeed_rate(work: Path, stage: int = 1, *, model: str = "bert-large", mic
     path = work / f"{name}.json"
     path.write_text(json.dumps(config))
     out = work / name
-    with peak_memory(name):
-        pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(micro),
-                       "--gradient-accumulation-steps", str(MICRO * ACCUM // micro), "--max-steps", str(STEPS),
-                       "--log-steps", str(LOG_STEPS),
-                       "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *flags])
+    held = start_memory_peak()
+    pretrain.main(["--model", model, "--deepspeed_config", str(path), "--micro-batch-size", str(micro),
+                   "--gradient-accumulation-steps", str(MICRO * ACCUM // micro), "--max-steps", str(STEPS),
+                   "--log-steps", str(LOG_STEPS),
+                   "--save-steps", "0", "--output-dir", str(out), "--overwrite", "--dropout", "0.1", *flags])
     records = read_records(out)
+    peak = max(r["memory_max_allocated_gib"] for r in records)  # the run's own, reset at each log step
+    print(f"MEMORY {name}: peak {peak:.1f} GiB ({held / 2**30:.1f} held before)", flush=True)
     rate = statistics.median(r["samples_per_sec"] for r in records[1:])
     print(f"RATE {name}: {rate:.1f} samples/s", flush=True)  # as it comes
     return rate

@@ -8,8 +8,9 @@ sequence, static [B, 20] positions). HF: a `torch.utils.data.DataLoader` over th
 `DataCollatorForLanguageModeling(mlm_probability=0.15)`, as `Trainer` feeds run_mlm (its workers collate).
 For each number of workers it prints the samples/s the training process receives and the training thread's
 own CPU time per micro-batch (what the input takes from the host that issues the GPU's work), against the
-samples/s a GPU needs at 50 % MFU of 989 TFLOP/s (`bench/flops.py`'s FLOPs per sample). The workers share
-this machine's cores with the consumer: on a GPU node each rank's workers have cores of their own.
+samples/s a GPU needs at 50 % MFU of an H200's dense bf16 peak (truneg.train.flops: the peak, and the FLOPs per
+sample). The workers share this machine's cores with the consumer: on a GPU node each rank's workers have cores of
+their own.
 Last line: RESULT speedup=<truneg / HF samples/s at the most workers> truneg_samples_per_s=... main_ms=...
 """
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_step import PEAK_TFLOPS, TFLOPS_PER_SAMPLE  # noqa: E402
 from truneg.data.blocks import DEMO_CORPUS, ResumableSampler, load_tokenizer  # noqa: E402
 from truneg.data.masking import MaskedBatches, default_max_predictions  # noqa: E402
 from truneg.data.prepare import pack_blocks  # noqa: E402
+from truneg.train.flops import dense_peak_tflops, preset_train_flops  # noqa: E402
 
 SEQ_LEN = 128
 
@@ -86,8 +87,9 @@ def main() -> None:
     torch.set_num_threads(1)
     tokenizer = load_tokenizer()
     blocks = corpus_blocks(tokenizer, 100_000)
-    need = {m: 0.5 * PEAK_TFLOPS["H200"] / TFLOPS_PER_SAMPLE[m, SEQ_LEN] for m in ("bert-large", "electra-base")}
-    print(f"micro-batch {args.micro_batch}, seq {SEQ_LEN}; a GPU at 50 % MFU of 989 TFLOP/s needs "
+    peak = dense_peak_tflops("NVIDIA H200", "bf16")
+    need = {m: 0.5 * peak * 1e12 / preset_train_flops(m, SEQ_LEN) for m in ("bert-large", "electra-base")}
+    print(f"micro-batch {args.micro_batch}, seq {SEQ_LEN}; a GPU at 50 % MFU of {peak:g} TFLOP/s needs "
           + ", ".join(f"{m} {n:,.0f}" for m, n in need.items()) + " samples/s")
     print(f"{'workers':>7} {'truneg samples/s':>17} {'main ms':>8} {'HF samples/s':>13} {'main ms':>8} {'ratio':>6}")
     measured = {}

@@ -152,9 +152,13 @@ def wait_for(predicate, timeout: float, interval: float = 0.01) -> bool:
     return False
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
+def read_metrics(output_dir: Path, kind: str = "train") -> list[dict]:
+    """metrics.jsonl's training records, its held-out evaluations' (`kind` "eval"), or all of them in order."""
+    from truneg.train.heldout import is_eval_record
+
     path = output_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return records if kind == "all" else [r for r in records if is_eval_record(r) == (kind == "eval")]
 
 
 # The ZeRO-3 cases correct with HC through a table of their own (the frequent_table fixture): WordNet's corrects
@@ -167,12 +171,18 @@ CASES = {
     "electra-zero2": ("electra-tiny", "cpu_zero2.json", ()),
     "bert-zero3": ("bert-tiny", "cpu_zero3.json", ("--hc", FREQUENT_TABLE)),
     "electra-zero3": ("electra-tiny", "cpu_zero3.json", ("--hc", FREQUENT_TABLE)),
-    # no dropout, argmax predictions: deterministic up to reduction order, for a change of world size
-    "bert-deterministic": ("bert-tiny", "cpu_zero2.json", ("--dropout", "0", "--keep-checkpoints", "0")),
+    # no dropout, argmax predictions: deterministic up to reduction order, for a change of world size; and the
+    # baseline (no HC, no SR) of bert-zero2, from the same weights and seed
+    "bert-deterministic": ("bert-tiny", "cpu_zero2.json", ("--dropout", "0", "--keep-checkpoints", "0", "--hc", "none",
+                                                           "--sr", "none")),
 }
 FREQUENT_WORDS = 500  # the vocab's first whole words: BERT's vocab lists them about by frequency (the, of, and, ...)
 MAX_STEPS, SAVE_STEPS = 24, 8
-TIMING_KEYS = {"samples_per_sec", "tokens_per_sec"}
+EVAL_SEQUENCES = 96  # every case evaluates the first 96 sequences of its corpus at steps 0, 8, 16 and 24
+# what a run measures of its machine rather than computes, and the mark of each start's first interval
+# (truneg.train.efficiency): a resumed run's differ from the uninterrupted one's
+TIMING_KEYS = {"samples_per_sec", "tokens_per_sec", "tflops", "mfu", "data_wait_fraction", "memory_max_rss_gib",
+               "memory_max_allocated_gib", "memory_max_reserved_gib", "warmup", "eval_seconds"}
 
 
 def free_port() -> int:
@@ -181,9 +191,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def train_args(case: str, out: Path, corpus: Path, table: Path | None = None) -> list[str]:
+def train_args(case: str, out: Path, corpus: Path, table: Path | None = None, evaluate: bool = True) -> list[str]:
     """The reference case's pretrain.py flags (its own last: they win); `table` is the frequent_table fixture's
-    file, which the ZeRO-3 cases need (a run that left it out would be another run, and its resume refused)."""
+    file, which the ZeRO-3 cases need (a run that left it out would be another run, and its resume refused). Each
+    case evaluates on its corpus (`evaluate`): a run trains the same without."""
     model, config, extra = CASES[case]
     if FREQUENT_TABLE in extra:
         assert table is not None, f"{case} corrects with the frequent_table fixture's table: pass it"
@@ -192,7 +203,8 @@ def train_args(case: str, out: Path, corpus: Path, table: Path | None = None) ->
             "--seq-len", "64", "--micro-batch-size", "4", "--max-steps", str(MAX_STEPS), "--save-steps",
             str(SAVE_STEPS),
             "--log-steps", "1", "--output-dir", str(out), "--hc", "wordnet", "--sr", "word", "--lr", "2e-3",
-            "--keep-checkpoints", "2", *extra]
+            "--keep-checkpoints", "2",
+            *(("--eval-data", str(corpus), "--eval-max-sequences", str(EVAL_SEQUENCES)) if evaluate else ()), *extra]
 
 
 @pytest.fixture(scope="session")
@@ -334,16 +346,18 @@ def mid_run_copy(reference_dir: Path, out: Path) -> int:
     keep them. Returns that step."""
     shutil.copytree(reference_dir, out)
     resumed_from = MAX_STEPS - SAVE_STEPS
-    records = [{**r, "loss": -1.0} if r["step"] > resumed_from else r for r in read_metrics(out)]
+    records = [{**r, "loss": -1.0} if r["step"] > resumed_from else r for r in read_metrics(out, "all")]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / "checkpoints" / "latest").write_text(f"global_step{resumed_from}")
     shutil.rmtree(out / "checkpoints" / f"global_step{MAX_STEPS}")
     return resumed_from
 
 
-def assert_resumed_as_the_reference(stdout: str, out: Path, resumed_from: int, reference: list[dict]) -> None:
+def assert_resumed_as_the_reference(stdout: str, out: Path, resumed_from: int, reference: list[dict],
+                                    reference_evals: list[dict] | None = None) -> None:
     """A run in `out` resumed at `resumed_from`, and the whole run's records (those it kept and those it wrote)
-    equal the uninterrupted reference's."""
+    equal the uninterrupted reference's; its held-out evaluations too, where `reference_evals` gives the reference's
+    (comparable): the step-0 one is not repeated, and the later ones come out bitwise the same."""
     assert f"resumed from {out / 'checkpoints'} at step {resumed_from}" in stdout
     # this process trained the steps after it (the folder may hold the killed run's records of them)
     assert f"done, {MAX_STEPS - resumed_from} steps" in stdout
@@ -351,16 +365,22 @@ def assert_resumed_as_the_reference(stdout: str, out: Path, resumed_from: int, r
     after = comparable(read_metrics(out))
     assert [r["step"] for r in after] == list(range(1, MAX_STEPS + 1))
     assert after == reference  # every loss, ratio and lr, bitwise (JSON keeps full float precision)
+    if reference_evals is not None:
+        evals = comparable(read_metrics(out, "eval"))
+        assert [r["step"] for r in evals] == list(range(0, MAX_STEPS + 1, SAVE_STEPS))
+        assert evals == reference_evals
+        assert "eval step 0 " not in stdout and f"eval step {MAX_STEPS} " in stdout
 
 
-def resume_and_match(cmd_args: list[str], out: Path, resumed_from: int, reference: list[dict], env: dict) -> None:
+def resume_and_match(cmd_args: list[str], out: Path, resumed_from: int, reference: list[dict], env: dict,
+                     reference_evals: list[dict] | None = None) -> None:
     """Run the same command again: it resumes at `resumed_from`, and the whole run's records (those it kept and
-    those it wrote) equal the uninterrupted reference's."""
+    those it wrote) equal the uninterrupted reference's (its evaluations' too, with `reference_evals`)."""
     port = free_port()
     second = run(deepspeed_cmd(*cmd_args, port=port), env)
     # DeepSpeed's CPU allreduce buffers live in RAM-backed /dev/shm: no run may leave one behind.
     assert shm_allreduce_buffers(port) == []
-    assert_resumed_as_the_reference(second.stdout, out, resumed_from, reference)
+    assert_resumed_as_the_reference(second.stdout, out, resumed_from, reference, reference_evals)
 
 
 def positions_from_labels(labels, max_predictions: int | None = None) -> tuple:
@@ -426,3 +446,25 @@ def offline_hub(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return cache
+
+
+def sentence_transformers_folder(folder, seed=0):
+    """A tiny BertModel (no MLM head, a pooler under bare `pooler.` keys) laid out as sentence-transformers saves
+    one: 1_Pooling/, modules.json and its own configs beside the weights."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from truneg.model.presets import BERT_PRESETS, common_config
+
+    torch.manual_seed(seed)
+    encoder = BertModel(BertConfig(**BERT_PRESETS["bert-tiny"], **common_config()))
+    encoder.save_pretrained(folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                  "pooling_mode_mean_tokens": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    return encoder
+

@@ -19,7 +19,7 @@ if __package__ in (None, ""):
 
 from truneg.errors import exit_on_user_error  # noqa: E402  (after the sys.path line above)
 from truneg.model.pretrainers import architecture  # noqa: E402
-from truneg.train import build, checkpoint, distributed, loop, run_dir  # noqa: E402
+from truneg.train import build, checkpoint, distributed, heldout, loop, run_dir  # noqa: E402
 from truneg.train.export import save_hf_configs  # noqa: E402
 
 
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     # 1. Checks that need no process group: the DeepSpeed config for this world size, the resume point,
     #    the synonym table, and the corpus (prepared once per node, before any collective could time out).
     cfg, start = build.checked_start(argv)
+    eval_prepared = heldout.prepare_eval_data(cfg, start, distributed.launch_world_size())
 
     # 2. Processes: one per device, gloo on the CPU; every node must see the same output folder.
     rank, world_size = distributed.init_distributed(cfg.output_dir)
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # 3. Data: the memory-mapped blocks on every rank.
     blocks, data_record = build.open_blocks(cfg, start)
+    eval_blocks = heldout.open_eval_blocks(cfg, start, eval_prepared)  # --eval-data's, if any
 
     # 4. The model; then claim the output folder for this run (refuse to mix two runs in one folder).
     #    A hub name in --init-from is resolved by rank 0 first, then at its commit by each other node's local
@@ -52,9 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     engine = build.build_engine(cfg, model, start.ds_config)
     if rank == 0:
         save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer, resumed=start.resume is not None)
+        heldout.save_run_table(start.table, cfg.checkpoint_dir)
 
     # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states.
     state = loop.start_state(cfg, engine, blocks, start.tokenizer, start.resume, tag)
+    if eval_blocks is not None:
+        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer, start.table)
 
     # 7. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.
     loop.train(cfg, engine, state)

@@ -7,23 +7,30 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SHARED_DATA, free_port, hub_snapshot, need_shared, read_metrics
+import torch
+from conftest import (
+    REPO,
+    SHARED_DATA,
+    free_port,
+    hub_snapshot,
+    need_shared,
+    read_metrics,
+    sentence_transformers_folder,
+)
 
 
 def test_ablation_runs_three_variants_and_reports_deltas(tmp_path, launch_env, small_corpus):
-    """From a tiny BERT with its MLM head and pooler (BertForPreTraining) in an HF cache laid out as the hub's,
-    named as on the hub and resolved offline, as the paper continued public checkpoints."""
-    from transformers import BertConfig, BertForPreTraining
-
-    from truneg.model.presets import BERT_PRESETS, common_config
+    """From a tiny BERT encoder without its MLM head, laid out as sentence-transformers save one, in an HF cache laid
+    out as the hub's, named as on the hub and resolved offline: `--new-head` and no --preset (the checkpoint's own
+    architecture), as MiniLM runs (docs/minilm.md); then GLUE, SwapSynWordNet on SST-2 and the report."""
+    from transformers import BertForMaskedLM
 
     glue = need_shared(SHARED_DATA / "glue")
     out, cache = tmp_path / "ablation", tmp_path / "hf-cache"
-    BertForPreTraining(BertConfig(**BERT_PRESETS["bert-tiny"], **common_config())).save_pretrained(
-        hub_snapshot(cache, "org/tiny-bert"))
+    encoder = sentence_transformers_folder(hub_snapshot(cache, "org/tiny-bert"))
     env = {**launch_env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--preset", "bert-tiny", "--tasks", "rte",
-                           "--init-from", "org/tiny-bert", "--variants", "baseline,HC,SR",
+    proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--tasks", "rte,sst2", "--robustness",
+                           "sst2", "--init-from", "org/tiny-bert", "--new-head", "--variants", "baseline,HC,SR",
                            "--steps", "6", "--train-data", str(small_corpus), "--seq-len", "64", "--micro-batch-size",
                            "4",
                            "--glue-dir", str(glue), "--max-train-samples", "64", "--epochs", "1", "--output-dir",
@@ -36,17 +43,35 @@ def test_ablation_runs_three_variants_and_reports_deltas(tmp_path, launch_env, s
     assert "| SR | 1 |" in (out / "report" / "glue.md").read_text()  # the report, at the end
     assert list(report["scores"]) == ["baseline", "HC", "SR"]
     assert all(0 <= s["rte"] <= 100 for s in report["scores"].values())
+    assert report["preset"] == "auto" and (out / "report" / "glue_paired.md").is_file()
+    # SwapSynWordNet on SST-2 dev for each variant's seed, in the record, the table and the report
+    robust = json.loads((out / "HC" / "robustness" / "sst2" / "robustness.json").read_text())
+    assert robust["drop"] == pytest.approx(robust["original"] - robust["transformed"]) and robust["examples"] > 800
+    assert report["robustness"]["HC"]["drop"] == robust["drop"] and "SwapSynWordNet on sst2" in (out / "ablation.txt"
+                                                                                                 ).read_text()
+    assert "| HC | sst2 | 1 |" in (out / "report" / "robustness.md").read_text()
     # the table's Δ rows are each variant's score minus the baseline's (to the printed two decimals)
     table = (out / "ablation.txt").read_text()
     assert "Δ avg" in table
     deltas = [float(line.split()[1]) for line in table.splitlines() if line.startswith("  Δ")]
     scores = {v: s["rte"] for v, s in report["scores"].items()}
     assert deltas == [pytest.approx(scores[v] - scores["baseline"], abs=0.006) for v in ("HC", "SR")]
+    # the export of a --new-head run is a whole BertForMaskedLM: the encoder continued, the head trained, the
+    # encoder's pooler carried bitwise (GLUE starts from it)
+    exported, info = BertForMaskedLM.from_pretrained(out / "baseline" / "hf", output_loading_info=True)
+    assert not [k for k in info["missing_keys"] if not k.endswith("position_ids")]
+    start = encoder.encoder.layer[0].attention.self.query.weight
+    assert 0 < (exported.bert.encoder.layer[0].attention.self.query.weight - start).abs().max() < 0.05
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "baseline" / "hf" / "model.safetensors")
+    assert torch.equal(weights["bert.pooler.dense.weight"], encoder.pooler.dense.weight)
     # each variant ran with its own objectives (HC cannot be told from its losses here: it corrects nothing
     # in 6 steps of a tiny model), as its run.json records them
     for variant, (hc, sr) in {"baseline": ("none", "none"), "HC": ("wordnet", "none"), "SR": ("none", "word")}.items():
         recorded = json.loads((out / variant.replace("+", "_") / "run.json").read_text())
         assert (recorded["hc"], recorded["sr"], recorded["init_from"]) == (hc, sr, "org/tiny-bert"), variant
+        assert recorded["new_head"] is True and recorded["model"] is None, variant
         assert (recorded["synonym_table"] is None) == (hc == "none"), variant
     runs = {v: read_metrics(out / v.replace("+", "_")) for v in report["scores"]}
     assert all(len(r) == 6 for r in runs.values())
@@ -183,6 +208,30 @@ def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags
     with pytest.raises(UserError, match="--seq-len 1024 is beyond the model's 512 positions"):
         ablation.run_ablation(args)
     assert commands == []
+
+
+def test_the_minilm_script_runs_an_ablation_that_passes_its_checks(tmp_path):
+    """bench/minilm/run.sh (docs/minilm.md) as written: its `truneg ablation` parses, launches pretrain.py with the
+    checkpoint's own architecture and --new-head, and passes every check before the first pre-training; --preset
+    auto without --init-from and a --robustness task not fine-tuned are refused in one line."""
+    from truneg.cli import build_parser
+    from truneg.errors import UserError
+    from truneg.eval import ablation
+
+    need_shared(SHARED_DATA / "glue")
+    printed = subprocess.run(["bash", "bench/minilm/run.sh", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                             env={"DRY_RUN": "1", "SHARED": str(SHARED_DATA), "PATH": "/usr/bin:/bin"}, check=True)
+    words = printed.stdout.split()[2:]  # after `truneg ablation`
+    args = build_parser().parse_args(["ablation", *words])
+    assert args.new_head and args.preset is None and args.robustness == "sst2" and len(args.finetune_seeds) >= 3
+    argv = ablation.pretrain_args("HC+SR", args, tmp_path / "HC_SR")
+    assert "--model" not in argv and "--new-head" in argv and argv[argv.index("--init-from") + 1] == args.init_from
+    assert ablation._check(args, tmp_path) == ["rte", "mrpc", "cola", "sst2"]
+    for change, refusal in ((["--preset", "auto", "--init-from", ""], "--preset auto takes the architecture of"),
+                            (["--robustness", "qnli"], "--robustness qnli scores a task's fine-tuned models")):
+        wrong = build_parser().parse_args(["ablation", *words, *change])
+        with pytest.raises(UserError, match=refusal):
+            ablation._check(wrong, tmp_path)
 
 
 def test_table_6_variants_launch_over_a_hostfile_with_the_init_pair_and_the_checkpoint_schedule(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, cli_in_process
+from conftest import EVAL_SEQUENCES, REPO, cli_in_process, comparable, read_metrics
 
 from truneg.data.blocks import load_tokenizer
 from truneg.eval.false_negatives import (
@@ -40,7 +40,7 @@ def predict_from_gold(patch: pytest.MonkeyPatch, predict) -> None:
     """Make the BERT head predict `predict(gold ids)` with certainty (argmax and sample alike): it reads the gold
     at the masked positions from the unmasked rows that masking is handed, captured here."""
     from truneg.data import masking
-    from truneg.eval import false_negatives
+    from truneg.train import heldout  # fn-stats' forward and masking are the live evaluation's
 
     real_mask, seen = masking.mask_tokens, {}
 
@@ -52,8 +52,8 @@ def predict_from_gold(patch: pytest.MonkeyPatch, predict) -> None:
         pred = predict(seen["original"].gather(1, positions))
         return 60.0 * torch.nn.functional.one_hot(pred, mlm.config.vocab_size).float()
 
-    patch.setattr(false_negatives, "bert_masked_logits", logits)
-    patch.setattr(false_negatives, "mask_tokens", capturing_mask)
+    patch.setattr(heldout, "bert_masked_logits", logits)
+    patch.setattr(heldout, "mask_tokens", capturing_mask)
 
 
 def test_evaluate_counts_synonym_predictions_of_a_stub_mlm(monkeypatch):
@@ -82,10 +82,13 @@ def test_evaluate_counts_synonym_predictions_of_a_stub_mlm(monkeypatch):
     assert counts.masked == int((labels != -100).sum()) and counts.sequences == 40
     assert counts.corrected == counts.mismatched == expected_fn > 0
     assert counts.sequences_corrected == int((labels == ran).any(axis=1).sum())
+    # the argmax is right everywhere but at "ran": the accuracy over all masked positions
+    assert counts.mlm_correct == counts.masked - expected_fn
+    assert counts.mlm_accuracy == pytest.approx(1 - expected_fn / counts.masked) and counts.mlm_accuracy < 1
     assert len(cases) == 3 and all(c.gold == "ran" and c.pred == "run" and "run" in c.synonyms for c in cases)
 
 
-def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):
+def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus, frequent_table):
     run_dir, _ = runs("bert-zero2")
     exported = tmp_path / "hf"
     assert cli_in_process("export", str(run_dir / "checkpoints"), str(exported)).returncode == 0
@@ -100,22 +103,57 @@ def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus):
     with open(out / "fn_stats.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert list(rows[0]) == ["checkpoint", "step", "segmentation", "seq_len", "sequences", "masked", "mismatched",
-                             "corrected", "iter_ratio", "pred_ratio"]
+                             "corrected", "iter_ratio", "pred_ratio", "mlm_accuracy"]
     assert [int(r["step"]) for r in rows] == [16, 24, -1]  # the run keeps its 2 newest checkpoints
     assert {(r["segmentation"], r["seq_len"]) for r in rows} == {("packed", "64")}
     for row in rows:
         assert int(row["sequences"]) == 96 and 0 < int(row["mismatched"]) <= int(row["masked"])
         assert float(row["pred_ratio"]) == pytest.approx(int(row["corrected"]) / int(row["mismatched"]))
+        # BERT's prediction is the argmax: what it gets right is what it does not mismatch
+        assert float(row["mlm_accuracy"]) == pytest.approx(1 - int(row["mismatched"]) / int(row["masked"]))
     assert rows[1]["masked"] == rows[2]["masked"] and rows[1]["mismatched"] == rows[2]["mismatched"], \
         "the exported model is the step-24 checkpoint: same masks, same predictions"
     stats = json.loads((out / "fn_stats.json").read_text())
     assert [s["corrected"] for s in stats] == [int(r["corrected"]) for r in rows]
+    assert [s["mlm_accuracy"] for s in stats] == [float(r["mlm_accuracy"]) for r in rows]
     png = (out / "fn_stats.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     import matplotlib.image
 
     assert matplotlib.image.imread(out / "fn_stats.png").shape[0] > 100
-    assert "iter %" in proc.stdout and "pred %" in proc.stdout
+    assert "iter %" in proc.stdout and "pred %" in proc.stdout and "acc %" in proc.stdout
+
+    # the run's live evaluations (its first 96 sequences of the same text, its HC table WordNet's, as fn-stats'
+    # default): the same Table 2 and accuracy for the same checkpoints
+    live = {r["step"]: r for r in comparable(read_metrics(run_dir, "eval"))}
+    for row in rows[:2]:
+        record = live[int(row["step"])]
+        assert (record["eval_sequences"], record["eval_masked"]) == (int(row["sequences"]), int(row["masked"]))
+        assert record["eval_hc_iter_ratio"] == float(row["iter_ratio"])
+        assert record["eval_hc_pred_ratio"] == float(row["pred_ratio"])
+        assert record["eval_mlm_accuracy"] == float(row["mlm_accuracy"])
+    # ... and ELECTRA's, whose counted prediction is the generator's sample (drawn per sequence in both), with the
+    # run's own table: false negatives found in both, the same
+    electra_dir, _ = runs("electra-zero3")
+    proc = cli_in_process("fn-stats", "--checkpoints", str(electra_dir / "checkpoints"), "--data", str(small_corpus),
+                          "--seq-len", "64", "--max-sequences", str(EVAL_SEQUENCES), "--synonyms", str(frequent_table),
+                          "--out", str(tmp_path / "fn-electra"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    live = {r["step"]: r for r in read_metrics(electra_dir, "eval")}
+    rows = json.loads((tmp_path / "fn-electra" / "fn_stats.json").read_text())
+    assert [r["step"] for r in rows] == [16, 24] and all(r["corrected"] > 0 for r in rows), rows
+    for row in rows:
+        assert live[row["step"]]["eval_hc_iter_ratio"] == row["iter_ratio"]
+        assert live[row["step"]]["eval_hc_pred_ratio"] == row["pred_ratio"]
+        assert live[row["step"]]["eval_mlm_accuracy"] == row["mlm_accuracy"]
+    live = {r["step"]: r for r in comparable(read_metrics(run_dir, "eval"))}
+    # `truneg eval` offline: the in-run record of step 24, exactly (CPU, fp32)
+    offline = cli_in_process("eval", str(checkpoints / "global_step24"), "--data", str(small_corpus), "--seq-len", "64",
+                             "--eval-max-sequences", str(EVAL_SEQUENCES), "--out", str(tmp_path / "eval.json"))
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    [record] = json.loads((tmp_path / "eval.json").read_text())
+    assert record.pop("checkpoint").endswith("global_step24") and "eval step 24 " in offline.stdout
+    assert comparable([record]) == [live[24]]
 
     # fn-cases, with the head made to predict each masked word's first WordNet synonym (the tiny model predicts
     # none): -n of the false negatives found are shown

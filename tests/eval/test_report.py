@@ -38,7 +38,7 @@ def results(tmp_path):
     write(tmp_path / "job7/rte/results.json", {"task": "rte", "accuracy": 0.70, "seed": 42, "lr": 1e-4})
     write(tmp_path / "job7/mrpc/results.json", {"task": "mrpc", "accuracy": 0.69, "f1": 0.8, "seed": 42})
     fn = [{"checkpoint": "global_step2", "step": 2, "sequences": 10, "mismatched": 50, "iter_ratio": 0.05,
-           "pred_ratio": 0.01},
+           "pred_ratio": 0.01, "mlm_accuracy": 0.125},
           {"checkpoint": "global_step4", "step": 4, "sequences": 10, "mismatched": 40, "iter_ratio": 0.07,
            "pred_ratio": 0.02},
           {"checkpoint": "global_step1", "step": 1, "sequences": 0, "mismatched": 0, "iter_ratio": 0.0,
@@ -75,14 +75,39 @@ def test_report_from_hand_written_results_with_missing_rows(tmp_path, results, c
     assert "truneg report" in markdown and "| 0.00 |" not in markdown
     # Table 2: baseline's checkpoints by step, the uncounted one missing; SR (expected) one missing row
     fn = list(csv.DictReader(open(out / "false_negatives.csv", encoding="utf-8")))
-    baseline = [(r["checkpoint"], r["progress_pct"], r["iter_pct"], r["pred_pct"]) for r in fn
+    baseline = [(r["checkpoint"], r["progress_pct"], r["iter_pct"], r["pred_pct"], r["mlm_accuracy_pct"]) for r in fn
                 if r["run"] == "baseline"]
-    assert baseline == [("global_step1", "25.0000", "", ""), ("global_step2", "50.0000", "5.0000", "1.0000"),
-                        ("global_step4", "100.0000", "7.0000", "2.0000")]
+    assert baseline == [("global_step1", "25.0000", "", "", ""), ("global_step2", "50.0000", "5.0000", "1.0000",
+                                                                  "12.5000"),
+                        ("global_step4", "100.0000", "7.0000", "2.0000", "")]  # (an older fn_stats.json: no accuracy)
     assert [r for r in fn if r["run"] == "SR"] == [{"run": "SR", "checkpoint": "", "step": "", "progress_pct": "",
-                                                    "iter_pct": "", "pred_pct": ""}]
+                                                    "iter_pct": "", "pred_pct": "", "mlm_accuracy_pct": ""}]
     assert (out / "glue_deltas.png").stat().st_size > 0 and (out / "false_negatives.png").stat().st_size > 0
     assert "wrote" in capsys.readouterr().out
+    # each variant against the baseline, paired by seed: HC+SR's per-seed average differences 1, 3, 1.5 (mean 11/6,
+    # sd 1.04, t(0.975, 2) 4.303: the interval holds 0); its MRPC differences 1, 3, 1 (HC has no MRPC: no pairs)
+    paired = {(r["variant"], r["column"]): r for r in csv.DictReader(open(out / "glue_paired.csv", encoding="utf-8"))}
+    average = paired["HC+SR", "Average"]
+    half = 4.302653 * statistics.stdev([1.0, 3.0, 1.5]) / 3 ** 0.5
+    assert float(average["mean Δ"]) == pytest.approx(11 / 6, abs=0.005) and average["pairs"] == "3"
+    assert average["95% interval"] == f"[{11 / 6 - half:+.2f}, {11 / 6 + half:+.2f}]"
+    assert average["verdict"] == "within noise" and 0.05 < float(average["p (paired t)"]) < 0.2
+    assert paired["HC", "MRPC"]["pairs"] == "0" and paired["HC", "MRPC"]["verdict"] == "no test (< 2 paired seeds)"
+    assert paired["HC_Embedding", "RTE"]["pairs"] == "0"  # seed 42: the baseline has none
+
+
+def test_paired_comparison_tells_a_consistent_gain_from_noise():
+    from scipy import stats
+
+    from truneg.eval.paired import paired, verdict
+
+    base = {"1": 60.0, "2": 62.0, "3": 64.0, "4": 61.0}
+    gain = paired({s: v + 2.0 + 0.1 * int(s) for s, v in base.items()}, base)
+    assert verdict(gain) == "better" and gain["low"] > 0 and gain["p"] < 0.001
+    noise = paired({"1": 63.0, "2": 60.0, "3": 65.0, "4": 60.0}, base)
+    assert verdict(noise) == "within noise"
+    assert noise["p"] == pytest.approx(stats.ttest_rel([63, 60, 65, 60], [60, 62, 64, 61]).pvalue)
+    assert verdict(paired({"1": 1.0}, {"1": 0.0})) == "no test (< 2 paired seeds)"
 
 
 def test_report_restricted_to_tasks_and_its_refusals(tmp_path, results, capsys):
@@ -113,3 +138,38 @@ def test_a_nan_score_is_missing_not_a_number(tmp_path):
     assert (float(row["RTE"]), float(row["RTE_std"])) == pytest.approx((60.0, 14.1421), abs=1e-4)
     table = [line for line in (tmp_path / "out" / "glue.md").read_text().splitlines() if line.startswith("|")]
     assert table[2].startswith("| baseline | 2 | – | 60.00 ± 14.14 | – |") and "nan" not in "".join(table).lower()
+
+
+def test_live_evaluations_draw_their_curves_and_table_2_for_runs_without_fn_stats(tmp_path):
+    """Two pre-training runs' metrics.jsonl (training records and their evaluations' records, a line a kill cut
+    short): eval.csv and eval_curves.png per run, and Table 2 from the live records of the run without fn_stats.json
+    (the other's fn_stats.json wins)."""
+    import matplotlib.image
+
+    def evaluation(step, accuracy, pred_ratio):
+        return {"step": step, "samples": 8 * step, "eval_mlm_loss": 10 - step / 8, "eval_mlm_accuracy": accuracy,
+                "eval_perplexity": 2.0, "eval_hc_iter_ratio": 0.5 * pred_ratio, "eval_hc_pred_ratio": pred_ratio,
+                "eval_sequences": 96, "eval_masked": 800, "eval_seconds": 0.3}
+
+    for run, scale in (("base", 1.0), ("hc", 0.5)):
+        lines = [evaluation(0, 0.0, 0.01 * scale)]
+        for step in (8, 16):
+            lines += [{"step": step, "samples": 8 * step, "loss": 9.0, "lr": 1e-4}, evaluation(step, step / 100,
+                                                                                                  0.02 * scale)]
+        text = "".join(json.dumps(line) + "\n" for line in lines) + '{"step": 17, "samp'
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "metrics.jsonl").write_text(text)
+    write(tmp_path / "hc" / "fn" / "fn_stats.json", [{"checkpoint": "global_step16", "step": 16, "sequences": 10,
+                                                       "mismatched": 5, "iter_ratio": 0.3, "pred_ratio": 0.2}])
+    out = tmp_path / "report"
+    main(["report", f"baseline={tmp_path / 'base'}", f"HC={tmp_path / 'hc'}", "--out", str(out)])
+    rows = list(csv.DictReader(open(out / "eval.csv", encoding="utf-8")))
+    assert [(r["run"], int(r["step"]), int(r["samples"])) for r in rows] == [
+        (run, s, 8 * s) for run in ("baseline", "HC") for s in (0, 8, 16)]
+    assert float(rows[2]["eval_mlm_accuracy"]) == 0.16 and "loss" not in rows[0]
+    assert matplotlib.image.imread(out / "eval_curves.png").shape[1] > 600
+    table = list(csv.DictReader(open(out / "false_negatives.csv", encoding="utf-8")))
+    assert [(r["run"], r["checkpoint"], r["step"], r["pred_pct"]) for r in table] == [
+        ("baseline", "live", "0", "1.0000"), ("baseline", "live", "8", "2.0000"), ("baseline", "live", "16", "2.0000"),
+        ("HC", "global_step16", "16", "20.0000")]
+    assert table[2]["mlm_accuracy_pct"] == "16.0000" and table[2]["progress_pct"] == "100.0000"

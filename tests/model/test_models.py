@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hub_snapshot, model_inputs
+from conftest import hub_snapshot, model_inputs, sentence_transformers_folder
 from transformers import BertConfig, BertForMaskedLM
 
 from truneg.model.pretrainers import BertPretrainer, ObjectiveConfig, build_pretrainer, parameter_groups
@@ -320,3 +320,52 @@ def test_electra_from_its_two_checkpoints_shares_one_embedding_and_refuses_a_pai
     assert effective_preset(args) == effective_preset(alone) == "electra-tiny"
     assert all(pair.discriminator.config.to_dict()[k] == v for k, v in BERT_PRESETS["bert-tiny"].items())
     assert run_identity(RunConfig.from_args(args), {}, {})["init_generator"] == str(tmp_path / "gen")
+
+
+def test_new_head_continues_an_encoder_without_its_mlm_head(tmp_path):
+    """--new-head: the encoder's weights load bitwise, its bare-keyed pooler is carried under BERT's names, the
+    head starts as HF initialises it (the same under the same seed), tied to the embeddings, and trains. Without
+    the flag the encoder is refused naming it; a checkpoint that has its head refuses the flag."""
+    from truneg.errors import UserError
+
+    encoder = sentence_transformers_folder(tmp_path / "st")
+    with pytest.raises(UserError, match=r"lacks 6 weights of BertForMaskedLM .* pass --new-head"):
+        build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "st")
+    torch.manual_seed(1)
+    model = build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "st", new_head=True, dropout=0.0)
+    loaded = model.mlm.bert.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in encoder.state_dict().items() if not k.startswith("pooler."))
+    assert set(model.pooler) == {"bert.pooler.dense.weight", "bert.pooler.dense.bias"}
+    assert torch.equal(model.pooler["bert.pooler.dense.weight"], encoder.pooler.dense.weight)
+    head = model.mlm.cls.predictions
+    assert head.decoder.weight is model.word_embeddings.weight
+    assert torch.equal(head.transform.LayerNorm.weight, torch.ones(64))
+    assert not head.transform.LayerNorm.bias.any() and not head.bias.any() and not head.transform.dense.bias.any()
+    assert 0.015 < head.transform.dense.weight.std().item() < 0.025  # normal(0, initializer_range 0.02)
+    torch.manual_seed(1)
+    again = build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "st", new_head=True, dropout=0.0)
+    assert torch.equal(again.mlm.cls.predictions.transform.dense.weight, head.transform.dense.weight)
+    inputs, _, labels, original = masked_batch(5, vocab=2000)
+    batch = model_inputs(inputs, labels, original)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(5):
+        loss = model(**batch)[0]
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[-1] < losses[0] - 0.1
+    build_pretrainer("bert-tiny", ObjectiveConfig()).mlm.save_pretrained(tmp_path / "with-head")
+    with pytest.raises(UserError, match="has its MLM head .* drop --new-head"):
+        build_pretrainer(None, ObjectiveConfig(), init_from=tmp_path / "with-head", new_head=True)
+
+
+def test_new_head_is_for_bert_continued_runs():
+    from truneg.errors import UserError
+    from truneg.train.args import parse_args
+
+    with pytest.raises(UserError, match="--new-head starts the MLM head a checkpoint lacks: pass --init-from"):
+        parse_args(["--new-head"])
+    with pytest.raises(UserError, match="ELECTRA's generator is its MLM"):
+        parse_args(["--new-head", "--init-from", "a", "--init-generator", "b"])

@@ -261,3 +261,30 @@ def test_range_checks_share_one_wording_and_refuse_what_is_not_finite():
                                (float_between(0, 1), "1.5", "must be a finite number > 0 and <= 1, not 1.5")]:
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             parse(text)
+
+
+def test_pretrain_refuses_bad_profile_and_peak_flags_before_any_process_group(tmp_path, capsys):
+    """--profile-steps malformed or past --max-steps, --profile-ranks malformed or alone, a --peak-tflops that is no
+    peak: one line and exit 2 from pretrain.py's first stage (shared with `truneg preflight`), nothing written."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    from truneg.errors import exit_on_user_error
+    from truneg.train.build import checked_start
+
+    base = ["--model", "bert-tiny", "--max-steps", "10", "--output-dir", str(tmp_path / "out")]
+    cases = [(["--profile-steps", "5"], "--profile-steps takes A:B, optimizer steps with 1 <= A <= B (e.g. 10:12), "
+                                        "not '5'"),
+             (["--profile-steps", "6:4"], "not '6:4'"), (["--profile-steps", "0:2"], "not '0:2'"),
+             (["--profile-steps", "8:12"], "--profile-steps 8:12 ends past --max-steps 10"),
+             (["--profile-steps", "1:2", "--profile-ranks", "0,a"], "--profile-ranks takes global ranks separated by "
+                                                                    "commas (e.g. 0,3), not '0,a'"),
+             (["--profile-ranks", "0"], "--profile-ranks chooses the ranks --profile-steps profiles"),
+             (["--peak-tflops", "0"], "--peak-tflops must be a finite number > 0, not 0.0"),
+             (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0, not nan")]
+    for extra, expected in cases:
+        with pytest.raises(SystemExit) as exited:
+            exit_on_user_error(checked_start)([*base, *extra])
+        one_line(subprocess.CompletedProcess([], exited.value.code, "", capsys.readouterr().err), expected)
+    assert not dist.is_initialized() and not (tmp_path / "out").exists()

@@ -3,9 +3,13 @@ and slurm runners set no RANK), each GPU process bound to its own device before 
 `--local_rank` the deepspeed launcher adds to `truneg.cli`."""
 from __future__ import annotations
 
+import gzip
+import json
+import math
 import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -24,6 +28,7 @@ from conftest import (
 
 from truneg.errors import UserError
 from truneg.train import distributed
+from truneg.train.flops import preset_train_flops
 
 
 @pytest.fixture
@@ -131,17 +136,55 @@ def test_two_processes_started_as_mpirun_starts_them_resume_as_the_deepspeed_lau
     """DeepSpeed's openmpi runner starts `python -u pretrain.py ARGS` on every slot with only Open MPI's
     variables. Two such processes must form one world of 2, load the 2 ranks' shards of the reference's step-16
     checkpoint (which the deepspeed launcher's ranks wrote) and train steps 17-24 bitwise as that run did; here
-    with masking in a DataLoader worker, where the reference masked inline."""
+    with masking in a DataLoader worker, where the reference masked inline, and with torch.profiler over steps 18-19
+    on both ranks and an MFU peak (neither is the run's identity, and the profiled losses are the unprofiled
+    run's). Both runs' records carry the efficiency figures."""
     reference_dir, _ = runs("bert-zero2")
     reference = comparable(read_metrics(reference_dir))
+    reference_evals = comparable(read_metrics(reference_dir, "eval"))
     out, port = tmp_path / "mpirun", free_port()
     resumed_from = mid_run_copy(reference_dir, out)
-    argv = [*train_args("bert-zero2", out, small_corpus), "--data-workers", "1"]
+    argv = [*train_args("bert-zero2", out, small_corpus), "--data-workers", "1", "--profile-steps", "18:19",
+            "--peak-tflops", "0.5"]
     codes, outputs = started_as_mpirun(launch_env, port, [argv, argv])
     assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "x 2 ranks" in outputs[0]
-    assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference)
+    assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference, reference_evals)
     assert shm_allreduce_buffers(port) == []  # DeepSpeed's CPU allreduce buffers in /dev/shm: none left behind
+    assert_profiled_and_measured(out, outputs, resumed_from)
+
+
+def assert_profiled_and_measured(out: Path, outputs: list[str], resumed_from: int) -> None:
+    """Each rank's trace of steps 18-19 parses as Chrome's trace format and holds those steps alone, rank 0 printed
+    its top operators; every record has the efficiency keys, mfu only where --peak-tflops was given, and each
+    start's first interval is marked and left out of tensorboard's throughput curves."""
+    for rank in (0, 1):
+        trace = json.loads(gzip.decompress((out / "profile" / "step18-19" / f"rank{rank}.pt.trace.json.gz")
+                                           .read_bytes()))
+        steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("truneg optimizer step")}
+        assert steps == {"truneg optimizer step 18", "truneg optimizer step 19"}, steps
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert f"truneg: profiled steps 18-19 into {out / 'profile' / 'step18-19'}" in outputs[0]
+    assert "Self CPU" in outputs[0] and "truneg: profiled" not in outputs[1]  # rank 0's table only
+
+    records = read_metrics(out)  # steps 1-16 of the reference run, 17-24 of this one
+    per_sample = preset_train_flops("bert-tiny", 64)  # seq 64, word-level SR: no extra pass
+    for r in records:
+        assert r["memory_max_rss_gib"] > 0.1 and 0 <= r["data_wait_fraction"] <= 1, r
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r  # DeepSpeed's ZeRO-2 norm
+        assert r["tflops"] == pytest.approx(r["samples_per_sec"] * per_sample / 2 / 1e12, rel=1e-9), r  # per rank
+        assert ("mfu" in r) == (r["step"] > resumed_from), r
+        assert "mfu" not in r or r["mfu"] == pytest.approx(r["tflops"] / 0.5, rel=1e-12)
+    assert [r["step"] for r in records if r.get("warmup")] == [1, resumed_from + 1]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    samples = {r["step"]: r["samples"] for r in records}
+    assert [e.step for e in events.Scalars("Train/Samples/grad_norm")] == list(samples.values())
+    assert [e.step for e in events.Scalars("Train/Samples/tflops")] == [
+        samples[s] for s in samples if s not in (1, resumed_from + 1)]
+    assert "Train/Samples/memory_max_rss_gib" in events.Tags()["scalars"]
 
 
 def test_the_cli_takes_the_local_rank_the_deepspeed_launcher_adds(tmp_path):

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    EVAL_SEQUENCES,
     MAX_STEPS,
     REPO,
+    SAVE_STEPS,
     cli_in_process,
     comparable,
     deepspeed_cmd,
@@ -25,7 +27,7 @@ from conftest import (
 )
 
 
-def test_two_rank_launch_trains_logs_and_checkpoints(runs):
+def test_two_rank_launch_trains_logs_and_checkpoints(runs, tmp_path, small_corpus):
     out, proc = runs("electra-zero2")
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
@@ -64,6 +66,43 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs):
     assert [round(e.value, 4) for e in loss_events] == [round(r["loss"], 4) for r in records]
     assert "Train/Samples/hc_iter_ratio" in events.Tags()["scalars"]
 
+    # the held-out evaluations: at step 0, at each save and the last step, records of their own (no `loss`), the
+    # official ELECTRA's eight under truneg's names and the live Table 2; `Eval/...` against samples; one line each
+    evals = read_metrics(out, "eval")
+    assert [(r["step"], r["samples"]) for r in evals] == [(s, s * 8) for s in range(0, MAX_STEPS + 1, SAVE_STEPS)]
+    for r in evals:
+        assert "loss" not in r and set(r) == {"step", "samples", "eval_mlm_loss", "eval_mlm_accuracy",
+                                              "eval_mlm_sampled_accuracy", "eval_disc_loss", "eval_disc_auc",
+                                              "eval_disc_accuracy", "eval_disc_precision", "eval_disc_recall",
+                                              "eval_hc_iter_ratio", "eval_hc_pred_ratio", "eval_sequences",
+                                              "eval_masked", "eval_seconds"}, r
+        assert r["eval_sequences"] == EVAL_SEQUENCES and 0 <= r["eval_disc_auc"] <= 1 and r["eval_seconds"] > 0
+    assert evals[-1]["eval_mlm_loss"] < evals[0]["eval_mlm_loss"] and evals[-1]["eval_disc_auc"] > 0.5
+    auc = events.Scalars("Eval/disc_auc")
+    assert [(e.step, round(e.value, 6)) for e in auc] == [(r["samples"], round(r["eval_disc_auc"], 6)) for r in evals]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(f"eval step {MAX_STEPS} "))
+    assert f"disc_auc {evals[-1]['eval_disc_auc']:.4f}" in line, line
+    # `truneg eval` of the last tag in one process: the 2-rank run's record, exactly (CPU, fp32, ZeRO-2)
+    proc = cli_in_process("eval", str(out / "checkpoints" / f"global_step{MAX_STEPS}"), "--data", str(small_corpus),
+                          "--seq-len", "64", "--eval-max-sequences", str(EVAL_SEQUENCES), "--out",
+                          str(tmp_path / "eval.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [offline] = json.loads((tmp_path / "eval.json").read_text())
+    assert offline.pop("checkpoint").endswith(f"global_step{MAX_STEPS}")
+    assert comparable([offline]) == comparable(evals[-1:])
+
+
+def test_a_baseline_and_an_hc_run_from_the_same_weights_and_seed_evaluate_alike_at_step_0(runs):
+    """bert-zero2 trains with HC and SR, bert-deterministic is its baseline (neither, no dropout), from the same weights
+    and seed: their step-0 evaluations are the same, false-negative ratios included (the baseline counts them with
+    WordNet's table, the HC run's own); training then parts them. bert-zero3 (ZeRO-3, HC by another table): the same
+    MLM figures."""
+    hc, baseline, zero3 = (comparable(read_metrics(runs(case)[0], "eval"))
+                           for case in ("bert-zero2", "bert-deterministic", "bert-zero3"))
+    assert hc[0] == baseline[0] and hc[0]["step"] == 0 and hc[1] != baseline[1]
+    mlm = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_perplexity", "eval_masked")
+    assert [zero3[0][k] for k in mlm] == [hc[0][k] for k in mlm]
+
 
 @pytest.mark.parametrize("case", ["bert-zero3", "electra-zero3"])
 def test_resume_from_a_mid_run_checkpoint_gives_bitwise_equal_losses(case, runs, tmp_path, launch_env, small_corpus,
@@ -74,13 +113,15 @@ def test_resume_from_a_mid_run_checkpoint_gives_bitwise_equal_losses(case, runs,
     mpirun starts them: test_distributed.)"""
     reference_dir, _ = runs(case)
     reference = comparable(read_metrics(reference_dir))
+    reference_evals = comparable(read_metrics(reference_dir, "eval"))
     out = tmp_path / "run"
     resumed_from = mid_run_copy(reference_dir, out)
     # HC is live in these runs (their table corrects frequent words), in the steps trained again too: the resume
     # must give the same corrections
     assert sum(r["hc_corrected"] for r in reference if r["step"] > resumed_from) > 0, reference
     assert all(0 <= r["hc_iter_ratio"] <= 1 and 0 <= r["hc_pred_ratio"] <= 1 for r in reference)
-    resume_and_match(train_args(case, out, small_corpus, frequent_table), out, resumed_from, reference, launch_env)
+    resume_and_match(train_args(case, out, small_corpus, frequent_table), out, resumed_from, reference, launch_env,
+                     reference_evals)
 
 
 def test_export_round_trip_bert(runs, tmp_path):
@@ -133,7 +174,7 @@ def test_export_writes_the_runs_own_tokenizer(runs, tmp_path):
     assert (tmp_path / "afile").read_text() == "keep me"
 
 
-def test_export_round_trip_electra_zero3(runs, tmp_path):
+def test_export_round_trip_electra_zero3(runs, tmp_path, small_corpus, frequent_table):
     from transformers import ElectraForMaskedLM, ElectraForPreTraining
 
     from truneg.train.export import export
@@ -157,6 +198,24 @@ def test_export_round_trip_electra_zero3(runs, tmp_path):
     shared = "electra.embeddings.word_embeddings.weight"
     assert torch.equal(generator.state_dict()[shared], discriminator.state_dict()[shared])
     assert torch.equal(generator.generator_lm_head.weight, generator.electra.embeddings.word_embeddings.weight)
+
+    # `truneg eval` of the exported folder (one process): the ZeRO-3 run's own evaluation of step 24 on 2 ranks; the
+    # run's HC table was saved beside its configs, the exported folder has none: given. The counts and the MLM's
+    # figures exactly; the discriminator's within 1e-6 (ZeRO-3's linear layers are DeepSpeed's own function, whose
+    # matmul and bias add round otherwise than F.linear)
+    proc = cli_in_process("eval", str(tmp_path / "hf"), "--data", str(small_corpus), "--seq-len", "64",
+                          "--eval-max-sequences", str(EVAL_SEQUENCES), "--synonyms", str(frequent_table),
+                          "--out", str(tmp_path / "eval.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [offline] = json.loads((tmp_path / "eval.json").read_text())
+    live = comparable(read_metrics(out, "eval"))[-1]
+    assert (offline.pop("checkpoint"), offline.pop("step"), live.pop("samples")) == (str(tmp_path / "hf"), -1, 192)
+    live.pop("step")
+    [offline] = comparable([offline])
+    assert offline.keys() == live.keys() and live["eval_hc_pred_ratio"] > 0
+    assert {k: v for k, v in offline.items() if "disc" not in k} == {k: v for k, v in live.items() if "disc" not in k}
+    assert all(offline[k] == pytest.approx(live[k], rel=1e-6) for k in live)
+    assert (out / "checkpoints" / "hf_config" / "synonyms.npz").is_file()
 
 
 def test_export_reads_the_bf16_recipes_checkpoints(tmp_path, launch_env, small_corpus):

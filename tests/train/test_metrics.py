@@ -187,3 +187,30 @@ def test_a_resume_drops_the_records_after_its_checkpoint_and_a_line_a_kill_cut_s
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
     metrics.truncate_after(2)
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:2]
+
+
+def test_a_starts_first_interval_is_marked_and_left_out_of_the_throughput_curves(tmp_path):
+    """The efficiency figures ride in the log's record: the first interval of a process (a start, a resume) is
+    marked `warmup` in metrics.jsonl, and its throughput figures are no point of tensorboard's curves."""
+    from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
+    from truneg.train.efficiency import THROUGHPUT_KEYS, Efficiency, TimedBatches
+
+    events = []
+    engine = SimpleNamespace(global_samples=0, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=0,
+                             monitor=SimpleNamespace(write_events=events.extend), device=torch.device("cpu"),
+                             module=build_pretrainer("bert-tiny", ObjectiveConfig()),
+                             optimizer=SimpleNamespace(_global_grad_norm=1.5), get_global_grad_norm=lambda: 1.5)
+    metrics = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=128, rank=0)
+    metrics.efficiency = Efficiency(engine, TimedBatches(iter([])), 1e9, None, rank=0, world_size=1)
+    for step in (1, 2):
+        add(metrics, micro_steps(["masked", "mismatched", "corrected", "sequences", "sequences_corrected"], 2, -1))
+        engine.global_samples = 8 * step
+        metrics.log(step)
+    first, second = (json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert first["warmup"] is True and "warmup" not in second
+    for record in (first, second):
+        assert set(THROUGHPUT_KEYS) - {"mfu"} <= set(record) and record["grad_norm"] == 1.5, record
+    tags = {samples: {tag for tag, _, at in events if at == samples} for samples in (8, 16)}
+    throughput = {f"Train/Samples/{k}" for k in THROUGHPUT_KEYS if k != "mfu"}
+    assert {"Train/Samples/loss", "Train/Samples/grad_norm", "Train/Samples/memory_max_rss_gib"} <= tags[8]
+    assert not throughput & tags[8] and throughput <= tags[16] and "Train/Samples/warmup" not in tags[8]

@@ -108,7 +108,15 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
         "table for another vocab": (["--hc", str(tmp_path / "other_vocab.npz")], "built for vocab sha256"),
         "truncated table": (["--hc", str(tmp_path / "truncated.npz")], "corrupt or truncated"),
         "stale build lock": ([], "delete it if no build is running"),
+        "missing eval data": (["--eval-data", str(tmp_path / "nope")], "--eval-data: no text files found"),
+        "empty eval data": (["--eval-data", str(tmp_path / "empty.txt")], "--eval-data: the corpus at"),
+        "eval data short of a batch per rank": (["--eval-data", str(tmp_path / "short.txt")],
+                                                "fewer than one micro-batch per rank (1 x "),
+        "non-positive eval steps": (["--eval-data", str(small_corpus), "--eval-steps", "0"],
+                                    "--eval-steps must be >= 1, not 0"),
+        "eval steps without eval data": (["--eval-steps", "5"], "pass --eval-data too"),
     }
+    (tmp_path / "short.txt").write_text(small_corpus.read_text()[:600])  # two blocks of 64 tokens
     # A lock that a process killed while loading DeepSpeed's JIT-built comm op left behind.
     stale_lock = tmp_path / "torch_extensions" / "deepspeed_shm_comm" / "lock"
     stale_lock.parent.mkdir(parents=True)
@@ -117,6 +125,12 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
 
     from truneg.errors import exit_on_user_error
     from truneg.train.build import checked_start
+    from truneg.train.distributed import launch_world_size
+    from truneg.train.heldout import prepare_eval_data
+
+    def start_checks(argv: list[str]) -> None:  # pretrain.py's, before its process group
+        cfg, start = checked_start(argv)
+        prepare_eval_data(cfg, start, launch_world_size())
 
     for name, (extra, expected) in before_processes.items():
         out = [] if "--output-dir" in extra else ["--output-dir", str(tmp_path / f"out_{name.replace(' ', '_')}")]
@@ -127,7 +141,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
             if name == "batch sizes":
                 patch.setenv("WORLD_SIZE", "4")  # as the launcher sets it: 10 does not split over 4 ranks
             with pytest.raises(SystemExit) as exited:
-                exit_on_user_error(checked_start)([*base, *extra, *out])
+                exit_on_user_error(start_checks)([*base, *extra, *out])
         err = capsys.readouterr().err
         assert_one_line_error(subprocess.CompletedProcess([], exited.value.code, "", err), expected)
     assert stale_lock.exists(), "truneg must not delete a lock that a running build may hold"
@@ -373,7 +387,7 @@ def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, l
     chain of launches, each stop checkpointed at the next step and the whole equal to the uninterrupted run."""
     reference_dir, _ = runs("bert-zero2")
     out = tmp_path / "preempted"
-    args = train_args("bert-zero2", out, small_corpus)
+    args = train_args("bert-zero2", out, small_corpus, evaluate=False)  # the reference evaluates: the same training
     stopped_at = 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         started_at = stopped_at
@@ -394,6 +408,7 @@ def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, l
     last = run(deepspeed_cmd(*args, port=free_port()), launch_env)
     assert f"at step {stopped_at}" in last.stdout
     assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir))
+    assert read_metrics(out, "eval") == [] and len(read_metrics(reference_dir, "eval")) == 4
 
 
 def tag_names(checkpoints: Path) -> set[str]:
@@ -411,6 +426,7 @@ def test_repeated_kill_9_including_during_checkpoint_writes(runs, tmp_path, laun
     reference's on the raw text file, `latest` only ever naming a complete checkpoint, and no /dev/shm buffer
     left behind by any launch."""
     reference = comparable(read_metrics(runs("electra-zero2")[0]))
+    reference_evals = comparable(read_metrics(runs("electra-zero2")[0], "eval"))
     out, corpus = tmp_path / "chaos", tmp_path / "prepared"
     proc = cli_in_process("prepare", "--train-data", str(small_corpus), "--seq-len", "64", "--out", str(corpus))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -444,7 +460,7 @@ def test_repeated_kill_9_including_during_checkpoint_writes(runs, tmp_path, laun
     # by the last trial a checkpoint was complete (at the latest, the one before trial 1's new tag): it resumed
     assert kills[1][1] and f"resumed from {checkpoints} at step" in (tmp_path / "trial2.log").read_text(), kills
     assert read_metrics(out)[-1]["step"] < MAX_STEPS, kills
-    resume_and_match(args, out, int(kills[-1][1].removeprefix("global_step")), reference, launch_env)
+    resume_and_match(args, out, int(kills[-1][1].removeprefix("global_step")), reference, launch_env, reference_evals)
 
 
 def test_an_orphaned_build_lock_is_told_from_one_a_live_process_holds(tmp_path):

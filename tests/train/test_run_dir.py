@@ -41,6 +41,10 @@ def test_a_rebuilt_synonym_table_is_another_run_and_an_older_record_resumes_with
     assert record["synonym_table"] == "table-1" and record["data"] == "prepared-abc"
     saved(tmp_path / "checkpoints")
     claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)  # the same run resumes
+    watched = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--hc", "wordnet", "--output-dir", str(tmp_path),
+                                              "--eval-data", "held-out.txt", "--eval-steps", "5",
+                                              "--eval-max-sequences", "64"]))
+    claim_output_dir(watched, identity(watched, "table-1"), rank=0)  # with (other) evaluation flags too
     with pytest.raises(UserError, match="holds another run's checkpoints"):
         claim_output_dir(cfg, identity(cfg, "table-2"), rank=0)  # same --hc string, another table
     # a record an older truneg wrote, before the table's hash, the architecture and the data were recorded
@@ -73,6 +77,23 @@ def test_a_relative_and_an_absolute_path_to_the_same_init_or_table_are_the_same_
     other = cfg(str(tmp_path / "other"), str(tmp_path / "my.npz"))
     with pytest.raises(UserError, match="holds another run's checkpoints"):
         claim_output_dir(other, identity(other, "t"), rank=0)
+
+
+def test_new_head_is_recorded_only_when_set_and_a_resume_repeats_it(tmp_path):
+    """run.json records `new_head` only for a --new-head run, so that runs recorded before the flag still resume; a
+    --new-head run resumes with the flag and is refused without it (its model is rebuilt from --init-from)."""
+    (tmp_path / "ckpt").mkdir()
+
+    def cfg(*flags: str) -> RunConfig:
+        return RunConfig.from_args(parse_args(["--init-from", str(tmp_path / "ckpt"), *flags,
+                                               "--output-dir", str(tmp_path / "run")]))
+
+    assert "new_head" not in identity(cfg(), "t") and identity(cfg("--new-head"), "t")["new_head"] is True
+    claim_output_dir(cfg("--new-head"), identity(cfg("--new-head"), "t"), rank=0)
+    saved(tmp_path / "run" / "checkpoints")
+    claim_output_dir(cfg("--new-head"), identity(cfg("--new-head"), "t"), rank=0)
+    with pytest.raises(UserError, match="holds another run's checkpoints"):
+        claim_output_dir(cfg(), identity(cfg(), "t"), rank=0)
 
 
 def test_an_electra_run_recorded_with_sr_sent_target_original_resumes_without_the_flag(tmp_path):
@@ -248,3 +269,24 @@ def load_file_value(path) -> float:
     from safetensors.torch import load_file
 
     return float(load_file(path)["bert.pooler.dense.bias"][0])
+
+
+def test_the_profilers_and_mfus_flags_are_not_the_runs_identity_and_overwrite_clears_profile(tmp_path):
+    """--profile-steps, --profile-ranks and --peak-tflops watch a run: a resume may change them. --overwrite deletes
+    an earlier run's traces with its checkpoints."""
+    plain = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path)]))
+    watched = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path), "--profile-steps",
+                                              "2:3", "--profile-ranks", "3,0", "--peak-tflops", "989"]))
+    assert (watched.profile_steps, watched.profile_ranks, watched.peak_tflops) == ((2, 3), (0, 3), 989.0)
+    assert (plain.profile_steps, plain.profile_ranks, plain.peak_tflops) == (None, None, None)
+    assert identity(plain, "t") == identity(watched, "t")
+    claim_output_dir(plain, identity(plain, "t"), rank=0)
+    saved(tmp_path / "checkpoints")
+    trace = watched.profile_dir / "step2-3" / "rank0.pt.trace.json.gz"
+    trace.parent.mkdir(parents=True)
+    trace.write_bytes(b"an earlier trace")
+    claim_output_dir(watched, identity(watched, "t"), rank=0)  # the same run, resumed: nothing deleted
+    assert trace.is_file() and (tmp_path / "checkpoints" / "latest").is_file()
+    overwrite = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path), "--overwrite"]))
+    claim_output_dir(overwrite, identity(overwrite, "t"), rank=0)
+    assert not (tmp_path / "profile").exists() and not (tmp_path / "checkpoints").exists()

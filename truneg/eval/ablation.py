@@ -5,11 +5,12 @@ its checkpoints through fn-stats, fine-tuned on GLUE (and SQuAD) over seeds, the
     truneg ablation --preset bert-base --init-from bert-base-uncased --seq-len 512 --steps 200000 \\
         --hostfile launch/hosts --deepspeed_config CONFIG --tasks cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte   # the paper's
 
-Every variant trains through the real `deepspeed` launcher with the same seed, data and steps. Each finished
-stage (VARIANT/pretrain, /export, /fn-stats, /glue/TASK and /squad with their seeds and recipe flags, then
-report) goes into `<output-dir>/stages.json`: the same command again after a kill continues with the first stage
-not done, and a fine-tuning cut between seeds keeps the seeds it finished. Writes `ablation.json`, `ablation.txt`
-and, through `truneg report`, `report/` (glue.md/.csv/_deltas.png, false_negatives.md/.csv/.png).
+Every variant trains through the real `deepspeed` launcher with the same seed, data and steps. Each finished stage
+(VARIANT/pretrain, /export, /fn-stats, /glue/TASK, /robustness/TASK and /squad with their seeds and recipe flags,
+then report) goes into `<output-dir>/stages.json`: the same command again after a kill continues with the first
+stage not done, and a fine-tuning cut between seeds keeps the seeds it finished. Writes `ablation.json`,
+`ablation.txt` and, through `truneg report`, `report/` (glue.md/.csv/_deltas.png, glue_paired.md/.csv,
+false_negatives.md/.csv/.png, robustness.md).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,8 @@ from truneg.errors import UserError, check_output_path
 from truneg.eval.glue import TASKS, finetune, main_metric, resolve_model_dir
 from truneg.eval.recipes import FIELDS, fill, model_recipe
 from truneg.eval.report import report
-from truneg.eval.seeds import run_seeds
+from truneg.eval.robustness import evaluate_glue
+from truneg.eval.seeds import run_seeds, seed_dir
 from truneg.eval.squad import finetune_squad
 from truneg.eval.variants import VARIANTS, folder_name, run_dir
 from truneg.train.args import parse_args
@@ -38,8 +41,9 @@ from truneg.train.run_config import CHECKPOINTS
 
 STAGES_FILE = "stages.json"
 # What makes two invocations the same ablation: a stage recorded under other values would be another run's
-IDENTITY = ("preset", "init_from", "init_generator", "steps", "seed", "seq_len", "train_data", "deepspeed_config",
-            "micro_batch_size", "hc_embeddings", "fn_checkpoints")
+IDENTITY = ("preset", "init_from", "init_generator", "new_head", "steps", "seed", "seq_len", "train_data",
+            "deepspeed_config", "micro_batch_size", "hc_embeddings", "fn_checkpoints")
+AUTO = "auto"  # --preset: the --init-from checkpoint's own architecture
 
 
 MAX_SAVES = 100  # a schedule whose exact steps would take more saves is rounded onto a coarser grid
@@ -66,12 +70,23 @@ def fn_steps(steps: int, percents: list[float]) -> list[int]:
                    for s in _exact_steps(steps, percents)})
 
 
+def preset(args: argparse.Namespace) -> str:
+    """--preset as given; not given, the checkpoint's own architecture (`auto`) with --init-from, else bert-tiny."""
+    return args.preset or (AUTO if args.init_from else "bert-tiny")
+
+
+def identity(args: argparse.Namespace) -> dict:
+    """What stages.json compares (a flag added later is recorded only when set, so that earlier runs continue)."""
+    return {**{k: getattr(args, k, None) for k in IDENTITY}, "preset": preset(args), "new_head": args.new_head or None}
+
+
 def pretrain_args(variant: str, args: argparse.Namespace, out: Path) -> list[str]:
     """`pretrain.py`'s arguments for one variant."""
-    argv = ["--model", args.preset, "--train-data", *args.train_data, "--max-steps", str(args.steps),
+    model = [] if preset(args) == AUTO else ["--model", preset(args)]
+    argv = [*model, "--train-data", *args.train_data, "--max-steps", str(args.steps),
             "--save-steps", str(save_steps(args.steps, args.fn_checkpoints)), "--log-steps",
             str(max(1, args.steps // 10)), "--seed", str(args.seed), "--seq-len", str(args.seq_len),
-            "--output-dir", str(out), *VARIANTS[variant]]
+            "--output-dir", str(out), *VARIANTS[variant], *(["--new-head"] if args.new_head else [])]
     if variant == "HC_Embedding":
         argv += ["--hc-embeddings", str(args.hc_embeddings)]
     for flag, value in (("--deepspeed_config", args.deepspeed_config), ("--micro-batch-size", args.micro_batch_size),
@@ -158,6 +173,21 @@ def finetune_squad_seeds(model: Path, args: argparse.Namespace, out: Path) -> di
                      args.finetune_seeds, out, expect={**values, "max_train_samples": args.max_train_samples})
 
 
+def robustness_seeds(task: str, folder: Path, args: argparse.Namespace) -> dict:
+    """SwapSynWordNet on TASK's dev set for each seed's fine-tuned model (one transform, seed 42, for every variant
+    and seed), into VARIANT/robustness/TASK: each seed's robustness.json, and their median beside them."""
+    out = folder / "robustness" / task
+    per_seed = {seed: evaluate_glue(task, seed_dir(folder / "glue" / task, seed) / "model",
+                                    Path(args.glue_dir) / TASKS[task].folder, seed_dir(out, seed))
+                for seed in args.finetune_seeds}
+    summary = {k: statistics.median(r[k] for r in per_seed.values()) for k in ("original", "transformed", "drop")}
+    first = next(iter(per_seed.values()))
+    combined = {**{k: first[k] for k in ("task", "transform", "metric", "examples", "dropped_out")}, **summary,
+                "reported": "median", "per_seed": {str(seed): r for seed, r in per_seed.items()}}
+    (out / "robustness.json").write_text(json.dumps(combined, indent=2) + "\n", encoding="utf-8")
+    return combined
+
+
 class Stages:
     """stages.json: the finished stages of the ablation in --output-dir, and the settings they were run with."""
 
@@ -212,6 +242,12 @@ def _check(args: argparse.Namespace, out: Path) -> list[str]:
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise UserError(f"unknown GLUE task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    if args.robustness and args.robustness not in tasks:
+        raise UserError(f"--robustness {args.robustness} scores a task's fine-tuned models: add it to --tasks "
+                        f"({','.join(tasks)})")
+    if preset(args) == AUTO and not args.init_from:
+        raise UserError("--preset auto takes the architecture of --init-from's checkpoint: pass --init-from, or a "
+                        "preset")
     for task in tasks:
         if not (Path(args.glue_dir) / TASKS[task].folder / "train.tsv").is_file():
             raise UserError(f"{Path(args.glue_dir) / TASKS[task].folder / 'train.tsv'} is missing; point --glue-dir "
@@ -245,7 +281,7 @@ def _pretrained(variant: str, args: argparse.Namespace, folder: Path) -> None:
 def run_ablation(args: argparse.Namespace) -> dict:
     out = Path(args.output_dir)
     tasks = _check(args, out)
-    stages = Stages(out, {k: getattr(args, k, None) for k in IDENTITY})
+    stages = Stages(out, identity(args))
     ran = False
 
     def stage(name: str, work, *work_args) -> None:
@@ -265,16 +301,27 @@ def run_ablation(args: argparse.Namespace) -> dict:
         for task in tasks:
             stage(f"{variant}/glue/{task} ({tuning(args)})", finetune_glue, task, folder / "hf", args,
                   folder / "glue" / task)
+        if args.robustness:
+            stage(f"{variant}/robustness/{args.robustness} ({tuning(args)})", robustness_seeds, args.robustness,
+                  folder, args)
         if args.squad_train:
             stage(f"{variant}/squad ({tuning(args)})", finetune_squad_seeds, folder / "hf", args, folder / "squad")
         scores[variant] = {t: 100 * json.loads((folder / "glue" / t / "results.json").read_text())[main_metric(t)]
                            for t in tasks}
         print(f"{variant}: " + ", ".join(f"{t} {s:.2f}" for t, s in scores[variant].items()), flush=True)
     table = format_table(scores, tasks)
+    robust = {v: json.loads((run_dir(out, v) / "robustness" / args.robustness / "robustness.json").read_text())
+              for v in args.variants} if args.robustness else {}
+    if robust:
+        table += f"\n\nSwapSynWordNet on {args.robustness} dev (median over seeds): original / transformed / drop\n"
+        table += "\n".join(f"{v:<13}{r['original']:>9.2f}{r['transformed']:>9.2f}{r['drop']:>9.2f}"
+                            for v, r in robust.items())
     print(table)
-    record = {"preset": args.preset, "init_from": args.init_from, "init_generator": args.init_generator,
+    record = {"preset": preset(args), "init_from": args.init_from, "init_generator": args.init_generator,
               "steps": args.steps, "seed": args.seed, "finetune_seeds": args.finetune_seeds, "tasks": tasks,
-              "variants": {v: folder_name(v) for v in args.variants}, "reported": "median", "scores": scores}
+              "variants": {v: folder_name(v) for v in args.variants}, "reported": "median", "scores": scores,
+              **({"robustness": {v: {k: r[k] for k in ("task", "original", "transformed", "drop", "examples")}
+                                 for v, r in robust.items()}} if robust else {})}
     (out / "ablation.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     (out / "ablation.txt").write_text(table + "\n", encoding="utf-8")
     report_stage = "report " + ",".join(args.variants) + " " + ",".join(tasks)

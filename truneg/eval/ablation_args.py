@@ -50,13 +50,15 @@ def add_parser(commands, func) -> None:
                      help="one folder per variant, stages.json (the finished stages), ablation.json and report/ "
                           "(default: runs/ablation); the same command again continues with the first stage not done")
     pre = parser.add_argument_group("pre-training (each variant alike)")
-    pre.add_argument("--preset", default="bert-tiny", help="the model preset every variant pre-trains (with "
-                     "--init-from: the checkpoint's architecture)")
+    pre.add_argument("--preset", default=None, help="the model preset every variant pre-trains (default: bert-tiny; "
+                     "with --init-from: the checkpoint's own architecture, as `auto` says it)")
     pre.add_argument("--init-from", help="continue each variant from this HF checkpoint, a folder or a hub name, "
                      "as the paper did from public ones (ELECTRA: its discriminator, or a folder with generator/ "
                      "and discriminator/)")
     pre.add_argument("--init-generator", help="ELECTRA: the generator checkpoint (a folder or a hub name) beside "
                      "--init-from's discriminator")
+    pre.add_argument("--new-head", action="store_true", help="BERT: --init-from is an encoder without the MLM head "
+                     "(a BertModel, a sentence-transformers model); pretrain.py starts the head (its --new-head)")
     pre.add_argument("--steps", type=int_at_least(1), default=300, help="pre-training steps of each variant")
     pre.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)],
                      help="pre-training corpus: files, folders or globs (default: the shipped novel)")
@@ -97,4 +99,6 @@ def add_parser(commands, func) -> None:
     tune.add_argument("--batch-size", type=int_at_least(1), help=f"fine-tuning batch size ({RECIPE})")
     tune.add_argument("--layerwise-decay", type=float_between(0, 1), help=f"layer-wise lr decay ({RECIPE})")
     tune.add_argument("--max-train-samples", type=int_at_least(1), help="fine-tune on the first N training examples")
+    tune.add_argument("--robustness", metavar="TASK", help="after TASK's fine-tuning (a task of --tasks, e.g. sst2), "
+                      "score each seed's model on TASK's dev set under SwapSynWordNet (paper Table 5)")
     parser.set_defaults(func=func, output_paths=[("output_dir", "--output-dir", True)])

@@ -1,4 +1,4 @@
-"""Sub-commands of `truneg` for evaluation: fn-stats, fn-cases, finetune, robustness, ablation and report.
+"""Sub-commands of `truneg` for evaluation: eval, fn-stats, fn-cases, finetune, robustness, ablation and report.
 
 Each command imports its module when it runs: `truneg --help` and the parse stay free of torch and transformers.
 """
@@ -162,6 +162,34 @@ def _fn_cases(args) -> None:
         print(f"wrote {path}")
 
 
+def _eval(args) -> None:
+    from truneg.eval.heldout_eval import evaluate_checkpoints
+    from truneg.train.run_config import EVAL_MAX_SEQUENCES
+
+    evaluate_checkpoints(args.path, args.data, args.generator, args.seq_len,
+                         args.eval_max_sequences or EVAL_MAX_SEQUENCES, args.synonyms, args.tokenizer, args.batch_size,
+                         args.out)
+
+
+def _add_eval(commands) -> None:
+    parser = commands.add_parser("eval", help="a checkpoint's held-out figures, as a run's --eval-data evaluates them")
+    parser.add_argument("path", metavar="PATH", help="a truneg checkpoint tag, a checkpoints folder (each tag), an "
+                        "exported folder, or a model name of the HF hub (NAME[@REVISION]; an ELECTRA discriminator)")
+    parser.add_argument("generator", metavar="GENERATOR", nargs="?",
+                        help="ELECTRA's generator beside a discriminator PATH, as --init-generator takes it")
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="held-out text: the forms of pretrain.py's --train-data (prepared and cached alike)")
+    parser.add_argument("--seq-len", type=int_at_least(8), default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--eval-max-sequences", type=int_at_least(1),
+                        help="the first N sequences of --data (default: pretrain.py's --eval-max-sequences default)")
+    parser.add_argument("--out", type=Path, help="write the figures to this JSON file (a list, one record a model)")
+    parser.add_argument("--synonyms", help="the false negatives' table (default: the run's HC table saved beside its "
+                        "checkpoints, else the shipped WordNet table)")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's own, else bert-base-uncased)")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=32, help="sequences per forward (default 32)")
+    parser.set_defaults(func=_eval, output_paths=[("out", "--out", False)])
+
+
 def _add_analysis(commands) -> None:
     stats = commands.add_parser("fn-stats", help="false-negative ratios per checkpoint (paper Table 2)")
     stats.add_argument("--checkpoints", nargs="+", required=True,
@@ -254,6 +282,7 @@ def _add_recipe(parser, epochs_help: str) -> None:
 
 
 def add_commands(commands) -> None:
+    _add_eval(commands)
     _add_analysis(commands)
     finetune = commands.add_parser("finetune", help="fine-tune and evaluate an exported model").add_subparsers(
         dest="benchmark", required=True)

@@ -27,18 +27,12 @@ from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM
 
 from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer, open_training_blocks
 from truneg.data.corpus import is_hf, resolve_text_files
-from truneg.data.masking import default_max_predictions, mask_tokens
 from truneg.errors import UserError
-from truneg.model.objectives import false_negative_counts, gumbel_max_sample, hard_correction
 from truneg.model.presets import load_pretrained
-from truneg.model.pretrainers import (
-    BertPretrainer,
-    ElectraPretrainer,
-    bert_masked_logits,
-    generator_masked_logits,
-)
+from truneg.model.pretrainers import BertPretrainer, ElectraPretrainer
 from truneg.train import checkpoint
 from truneg.train.export import load_parts, run_tokenizer_dir
+from truneg.train.heldout import masked_batch, masked_logits, mlm_sums, sample_with
 
 if TYPE_CHECKING:
     from transformers import BertForMaskedLM, ElectraForMaskedLM, PreTrainedTokenizerBase
@@ -46,7 +40,7 @@ if TYPE_CHECKING:
     from truneg.synonyms.table import SynonymLookup, SynonymTable
 
 CSV_COLUMNS = ["checkpoint", "step", "segmentation", "seq_len", "sequences", "masked", "mismatched", "corrected",
-               "iter_ratio", "pred_ratio"]
+               "iter_ratio", "pred_ratio", "mlm_accuracy"]
 # WikiText's article titles are ` = Title = ` lines; sections are ` = = Section = = `.
 WIKITEXT_TITLE = re.compile(r"^\s*= [^=](.*[^=])? =\s*$")
 
@@ -62,6 +56,7 @@ class FnCounts:
     mismatched: int = 0
     corrected: int = 0
     sequences_corrected: int = 0
+    mlm_correct: int = 0  # masked positions whose argmax is the gold token (whatever --prediction HC judges)
 
     @property
     def iter_ratio(self) -> float:
@@ -71,8 +66,14 @@ class FnCounts:
     def pred_ratio(self) -> float:
         return self.corrected / self.mismatched if self.mismatched else 0.0
 
+    @property
+    def mlm_accuracy(self) -> float:
+        """The argmax MLM accuracy over all masked positions (BERT's masked_lm_accuracy)."""
+        return self.mlm_correct / self.masked if self.masked else 0.0
+
     def row(self) -> dict:
-        return {**asdict(self), "iter_ratio": self.iter_ratio, "pred_ratio": self.pred_ratio}
+        return {**asdict(self), "iter_ratio": self.iter_ratio, "pred_ratio": self.pred_ratio,
+                "mlm_accuracy": self.mlm_accuracy}
 
 
 @dataclass
@@ -141,9 +142,11 @@ def open_sequences(data: list[str], tokenizer: PreTrainedTokenizerBase, seq_len:
     return sequences
 
 
-def attention_mask_of(original: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """1 on real tokens, 0 on the [PAD] that ends a line or article sequence (packed blocks have none)."""
-    return (original != pad_id).long()
+def attention_mask_of(original: np.ndarray, pad_id: int) -> torch.Tensor | None:
+    """1 on real tokens, 0 on the [PAD] that ends a line or article sequence; None for a batch without [PAD] (packed
+    blocks: as a run's forward, which takes none)."""
+    padded = original == pad_id
+    return torch.from_numpy(~padded).long() if padded.any() else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -223,36 +226,30 @@ def evaluate(mlm: BertForMaskedLM | ElectraForMaskedLM, blocks: np.ndarray, toke
              lookup: SynonymLookup, prediction: str = "default", seed: int = 0,
              batch_size: int = 32, max_sequences: int | None = None, label: str = "", step: int = -1,
              max_cases: int = 0, table: SynonymTable | None = None) -> tuple[FnCounts, list[Case]]:
-    """Mask each block as training would (seed, epoch 0, block index) and count the HC corrections."""
+    """Mask each block as training would (seed, epoch 0, block index) and count the HC corrections: the forward, the
+    generator's per-sequence sample and the counting of a run's live evaluation (truneg.train.heldout)."""
     if blocks.shape[1] > mlm.config.max_position_embeddings:
         raise UserError(f"--seq-len {blocks.shape[1]} is beyond the model's {mlm.config.max_position_embeddings} "
                         f"positions ({label or 'the checkpoint'}); use {mlm.config.max_position_embeddings} or less")
     is_bert = isinstance(mlm, BertForMaskedLM)
-    scheme, logits_of = ("bert", bert_masked_logits) if is_bert else ("electra", generator_masked_logits)
-    encoder = mlm.bert if is_bert else mlm.electra
     if prediction == "default":  # what pre-training's HC judges: BERT's argmax, ELECTRA's generator sample
         prediction = (BertPretrainer if is_bert else ElectraPretrainer).default_prediction
     counts, cases = FnCounts(label, step), []
     total = len(blocks) if max_sequences is None else min(max_sequences, len(blocks))
-    max_predictions = default_max_predictions(blocks.shape[1])
-    torch.manual_seed(seed)
     mlm.eval()
     with torch.no_grad():
         for start in range(0, total, batch_size):
             indices = np.arange(start, min(start + batch_size, total))
             original = np.asarray(blocks[indices], dtype=np.int64)
-            batch = mask_tokens(original, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
-                                scheme, seed, 0, indices, max_predictions)
+            batch = masked_batch(original, indices, tokenizer, "bert" if is_bert else "electra", seed)
             positions, valid = batch["masked_positions"], batch["masked_valid"]
             gold = batch["original_ids"].gather(1, positions)
-            attention_mask = attention_mask_of(batch["original_ids"], tokenizer.pad_token_id)
-            hidden = encoder(input_ids=batch["input_ids"], attention_mask=attention_mask).last_hidden_state
-            logits = logits_of(mlm, hidden, positions)
-            pred = logits.argmax(-1) if prediction == "argmax" else gumbel_max_sample(logits)
-            corrected = hard_correction(gold, pred, lookup) & valid
-            # the training metric's counter
-            for key, value in false_negative_counts(gold, pred, corrected, valid).items():
-                setattr(counts, key, getattr(counts, key) + int(value))
+            attention_mask = attention_mask_of(original, tokenizer.pad_token_id)
+            logits = masked_logits(mlm, batch["input_ids"], positions, attention_mask)
+            pred = logits.argmax(-1) if prediction == "argmax" else sample_with(logits, batch["uniforms"])
+            sums, corrected = mlm_sums(logits, gold, valid, pred, lookup, torch.ones(len(indices), dtype=torch.bool))
+            for key in ("sequences", "masked", "mismatched", "corrected", "sequences_corrected", "mlm_correct"):
+                setattr(counts, key, getattr(counts, key) + int(sums[key]))
             if len(cases) < max_cases and corrected.any():
                 for row, slot in corrected.nonzero().tolist()[: max_cases - len(cases)]:
                     gold_token = tokenizer.convert_ids_to_tokens(int(gold[row, slot]))
@@ -271,14 +268,14 @@ def evaluate(mlm: BertForMaskedLM | ElectraForMaskedLM, blocks: np.ndarray, toke
 
 def format_table(results: list[FnCounts]) -> str:
     header = (f"{'checkpoint':<48} {'step':>7} {'segments':>12} {'seqs':>7} {'masked':>8} {'mismatch':>9} {'FN':>6} "
-              f"{'iter %':>7} {'pred %':>7}")
+              f"{'iter %':>7} {'pred %':>7} {'acc %':>7}")
     lines = [header, "-" * len(header)]
     for r in results:
         name = r.checkpoint if len(r.checkpoint) <= 48 else "..." + r.checkpoint[-45:]
         segments = f"{r.segmentation}/{r.seq_len}"
         lines.append(f"{name:<48} {r.step:>7} {segments:>12} {r.sequences:>7} {r.masked:>8} {r.mismatched:>9} "
                      f"{r.corrected:>6} "
-                     f"{100 * r.iter_ratio:>7.2f} {100 * r.pred_ratio:>7.3f}")
+                     f"{100 * r.iter_ratio:>7.2f} {100 * r.pred_ratio:>7.3f} {100 * r.mlm_accuracy:>7.2f}")
     return "\n".join(lines)
 
 

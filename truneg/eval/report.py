@@ -4,11 +4,12 @@ files written anywhere (each variant may have run as its own cluster job).
     truneg report runs/ablation --out runs/report
     truneg report baseline=runs/base HC=runs/hc --out runs/report --tasks rte,mrpc
 
-It reads every `results.json` (`finetune`, one seed or `--seeds`), `ablation.json` and `fn_stats.json` under
-each folder. A result's variant is the NAME of a `NAME=DIR` argument, else the folder it sits in under DIR
-(`HC/glue/rte/results.json`: HC; the ablation's folder HC_SR is HC+SR), else DIR's own name. Scores are in
-percent; a cell is the median over seeds with their standard deviation; a score that is not there is shown
-as missing (an empty CSV cell, `–` in markdown), never as zero.
+It reads every `results.json` (`finetune`, one seed or `--seeds`), `ablation.json`, `fn_stats.json` and the
+ablation's `VARIANT/robustness/TASK/robustness.json` under each folder; each variant is also set against the
+baseline paired by seed (paired.py). A result's variant is the NAME of a `NAME=DIR` argument, else the folder it
+sits in under DIR (`HC/glue/rte/results.json`: HC; the ablation's folder HC_SR is HC+SR), else DIR's own name.
+Scores are in percent; a cell is the median over seeds with their standard deviation; a score that is not there is
+shown as missing (an empty CSV cell, `–` in markdown), never as zero.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from truneg.errors import UserError
+from truneg.eval.live_report import fn_stats_rows, live_evaluations, write_eval
+from truneg.eval.paired import gather_robustness, write_glue_paired, write_robustness
 from truneg.eval.variants import AVERAGED, BASELINE, GLUE_COLUMNS, VARIANTS, variant_of_folder
 
 # Folders a result file sits in that name no variant (the ablation's layout: VARIANT/glue/TASK, VARIANT/fn)
@@ -36,6 +39,7 @@ class Found:
     glue: dict[tuple[str, str], dict[str, dict]] = field(default_factory=dict)  # (variant, task): {seed: results}
     sources: dict[tuple[str, str], Path] = field(default_factory=dict)
     fn_runs: dict[str, list[dict]] = field(default_factory=dict)  # run: fn_stats.json rows
+    eval_runs: dict[str, list[dict]] = field(default_factory=dict)  # run: its live evaluations (metrics.jsonl)
     variants: list[str] = field(default_factory=list)  # as ablation.json lists them (expected rows)
     tasks: list[str] = field(default_factory=list)
 
@@ -102,6 +106,9 @@ def gather(arguments: list[str]) -> Found:
             if run in found.fn_runs:
                 raise UserError(f"{path}: a second fn_stats.json of {run}; pass each run's folder as NAME=DIR")
             found.fn_runs[run] = rows
+        for path in sorted(root.rglob("metrics.jsonl")):  # a pre-training run's, with --eval-data's records
+            if records := live_evaluations(path):
+                found.eval_runs[_variant(path, root, name, folders, 0)] = records
     return found
 
 
@@ -207,7 +214,8 @@ def fn_rows(found: Found) -> list[dict]:
     for run in _order(list(found.fn_runs) + [v for v in found.variants if found.fn_runs]):
         entries = found.fn_runs.get(run)
         if not entries:
-            rows.append({"run": run, "checkpoint": None, "step": None, "progress": None, "iter": None, "pred": None})
+            rows.append({"run": run, "checkpoint": None, "step": None, "progress": None, "iter": None, "pred": None,
+                         "accuracy": None})
             continue
         last = max((e.get("step", -1) for e in entries), default=-1)
         for e in sorted(entries, key=lambda e: e.get("step", -1)):
@@ -216,23 +224,25 @@ def fn_rows(found: Found) -> list[dict]:
                          "step": e.get("step"),
                          "progress": 100 * e["step"] / last if last > 0 and e.get("step", -1) >= 0 else None,
                          "iter": 100 * e["iter_ratio"] if counted else None,
-                         "pred": 100 * e["pred_ratio"] if counted and e.get("mismatched", 0) else None})
+                         "pred": 100 * e["pred_ratio"] if counted and e.get("mismatched", 0) else None,
+                         "accuracy": 100 * e["mlm_accuracy"] if counted and "mlm_accuracy" in e else None})
     return rows
 
 
 def write_fn(rows: list[dict], out: Path, footer: str) -> list[Path]:
-    lines = ["| run | checkpoint | step | Check. (%) | Iter. (%) | Pred. (%) |", "|---|---|---|---|---|---|"]
+    lines = ["| run | checkpoint | step | Check. (%) | Iter. (%) | Pred. (%) | MLM acc. (%) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['run']} | {r['checkpoint'] or MISSING} | {MISSING if r['step'] is None else r['step']} | "
-                     f"{_fmt(r['progress'])} | {_fmt(r['iter'])} | {_fmt(r['pred'])} |")
+                     f"{_fmt(r['progress'])} | {_fmt(r['iter'])} | {_fmt(r['pred'])} | {_fmt(r['accuracy'])} |")
     (out / "false_negatives.md").write_text("\n".join(["# False negatives over training (paper Table 2)", "", *lines,
                                                        "", footer]) + "\n", encoding="utf-8")
     with open(out / "false_negatives.csv", "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
-        writer.writerow(["run", "checkpoint", "step", "progress_pct", "iter_pct", "pred_pct"])
+        writer.writerow(["run", "checkpoint", "step", "progress_pct", "iter_pct", "pred_pct", "mlm_accuracy_pct"])
         for r in rows:
             writer.writerow([r["run"], r["checkpoint"] or "", "" if r["step"] is None else r["step"],
-                             _blank(r["progress"]), _blank(r["iter"]), _blank(r["pred"])])
+                             _blank(r["progress"]), _blank(r["iter"]), _blank(r["pred"]), _blank(r["accuracy"])])
     figure = Figure(figsize=(8, 3.6))
     axes = figure.subplots(1, 2)
     for run in dict.fromkeys(r["run"] for r in rows):
@@ -256,8 +266,11 @@ def report(arguments: list[str], out: str | Path, tasks: list[str] | None = None
            command: str = "truneg report") -> list[Path]:
     """Write the tables that the results found allow; return the files written."""
     found = gather(arguments)
+    for run, records in found.eval_runs.items():  # Table 2 live, for a run without fn_stats.json
+        found.fn_runs.setdefault(run, fn_stats_rows(records))
     if not found.glue and not found.fn_runs:
-        raise UserError(f"no results.json (GLUE) or fn_stats.json under {' '.join(arguments)}")
+        raise UserError(f"no results.json (GLUE), fn_stats.json or evaluations in metrics.jsonl under "
+                        f"{' '.join(arguments)}")
     known = {t for t, _, _ in GLUE_COLUMNS}
     if tasks and set(tasks) - known:
         raise UserError(f"--tasks: unknown GLUE task(s) {', '.join(sorted(set(tasks) - known))}; choose from "
@@ -270,6 +283,12 @@ def report(arguments: list[str], out: str | Path, tasks: list[str] | None = None
         tasks = tasks or found.tasks or list(dict.fromkeys(t for t, _, _ in GLUE_COLUMNS))
         columns, rows = glue_rows(found, tasks, baseline)
         written += write_glue(columns, rows, out, footer, baseline)
+        if len(rows) > 1:
+            written += write_glue_paired(columns, rows, out, footer, baseline)
+    if robustness := gather_robustness(arguments):
+        written += write_robustness(robustness, out, footer, baseline)
     if found.fn_runs:
         written += write_fn(fn_rows(found), out, footer)
+    if found.eval_runs:
+        written += write_eval(found.eval_runs, out, footer)
     return written

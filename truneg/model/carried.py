@@ -18,17 +18,24 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from truneg.errors import UserError
 
-POOLER_PREFIX = "bert.pooler."  # its keys in a BertForPreTraining's (and a classifier's) weights
+# Its keys in a BertForPreTraining's (and a classifier's) weights, and in a BertModel's (a sentence-transformers
+# encoder's), which carry no `bert.` prefix; carried under the first either way.
+POOLER_PREFIX = "bert.pooler."
+BARE_POOLER_PREFIX = "pooler."
 
 
 def load_pooler(folder: Path, config: PretrainedConfig, unexpected: set[str]) -> dict[str, torch.Tensor] | None:
     """The pooler's weights of a BERT checkpoint folder, in fp32 (`unexpected`: the keys BertForMaskedLM left
     unread, from_pretrained's loading info); None when the checkpoint has none (a model pre-trained from scratch)."""
-    if not any(key.startswith(POOLER_PREFIX) for key in unexpected):
+    if any(key.startswith(POOLER_PREFIX) for key in unexpected):
+        holder = nn.Module()  # the pooler under its checkpoint names, filled by huggingface_hub (sharded files too)
+        holder.bert = nn.Module()
+        holder.bert.pooler = BertPooler(config)
+    elif any(key.startswith(BARE_POOLER_PREFIX) for key in unexpected):
+        holder = nn.Module()
+        holder.pooler = BertPooler(config)
+    else:
         return None
-    holder = nn.Module()  # the pooler under its checkpoint names, filled by huggingface_hub (sharded files too)
-    holder.bert = nn.Module()
-    holder.bert.pooler = BertPooler(config)
     try:
         missing = load_torch_model(holder, folder, strict=False, safe=False).missing_keys  # safetensors, else .bin
     except ValueError:  # several weight files (a Trainer's training_args.bin beside pytorch_model.bin): the one
@@ -40,4 +47,5 @@ def load_pooler(folder: Path, config: PretrainedConfig, unexpected: set[str]) ->
         missing = load_torch_model(holder, single, strict=False, safe=False).missing_keys
     if missing:  # half a pooler: none rather than a random half
         return None
-    return {name: value.detach().clone() for name, value in holder.state_dict().items()}
+    prefix = "" if hasattr(holder, "bert") else "bert."
+    return {prefix + name: value.detach().clone() for name, value in holder.state_dict().items()}

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from safetensors import SafetensorError
+from transformers.utils import logging as hf_logging
 
 from truneg.errors import UserError
 
@@ -92,19 +93,42 @@ def load_pretrained(cls, path: str | Path, flag: str, **kwargs):
                         "another folder") from None
 
 
-def from_pretrained_with_head(cls, path: Path, flag: str = "--init-from") -> tuple:
-    """(the model, the checkpoint's weights it does not hold: a BertForPreTraining's pooler, ...)."""
+# The MLM head of a BertForMaskedLM: what --new-head starts as HF initialises it when a checkpoint lacks it (a
+# BertModel export, a sentence-transformers encoder). Its decoder's weight is tied to the word embeddings.
+BERT_MLM_HEAD = "cls.predictions."
+
+
+def from_pretrained_with_head(cls, path: Path, flag: str = "--init-from", new_head: bool = False) -> tuple:
+    """(the model, the checkpoint's weights it does not hold: a BertForPreTraining's pooler, ...).
+
+    `new_head` (BERT's --new-head): a checkpoint without the MLM head loads its encoder exactly, and the head
+    starts as HF initialises it; a checkpoint that has the head is refused, so that no head is silently
+    replaced or silently kept."""
     if not (path / "config.json").is_file():
         raise UserError(
             f"{flag}: {path} holds no HF model (config.json); pass an exported truneg folder "
             "(with generator/ and discriminator/ for ELECTRA) or an HF model folder"
         )
-    model, info = load_pretrained(cls, path, flag, attn_implementation="sdpa", output_loading_info=True)
+    # --new-head expects the head missing: HF's load report (and its warning that the head's tied bias is absent)
+    # would say as much in a dozen lines; truneg's own line says it in one
+    verbosity = hf_logging.get_verbosity()
+    if new_head:
+        hf_logging.set_verbosity_error()
+    try:
+        model, info = load_pretrained(cls, path, flag, attn_implementation="sdpa", output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     # A checkpoint of another class (a BertModel, a classifier) loads with its head missing, which HF only logs:
     # pre-training would go on from a random head.
-    missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]
-    if missing:
-        raise UserError(f"{flag}: {path} lacks {len(missing)} weights of {cls.__name__} ({', '.join(missing[:3])}"
-                        f"{', ...' if len(missing) > 3 else ''}), which would start random; pass a checkpoint with the "
-                        "pre-training head (a BertForMaskedLM / BertForPreTraining, or `truneg export`'s folder)")
+    missing = sorted(k for k in info["missing_keys"] if not k.endswith("position_ids"))
+    head = [k for k in missing if k.startswith(BERT_MLM_HEAD)]
+    if new_head and not head:
+        raise UserError(f"--new-head: {path} has its MLM head ({BERT_MLM_HEAD}*); drop --new-head to continue it")
+    encoder = [k for k in missing if not (new_head and k.startswith(BERT_MLM_HEAD))]
+    if encoder:
+        fix = (" (a BertModel or a sentence-transformers encoder: pass --new-head to start the MLM head as HF "
+               "initialises it)" if head and len(head) == len(encoder) else "")
+        raise UserError(f"{flag}: {path} lacks {len(encoder)} weights of {cls.__name__} ({', '.join(encoder[:3])}"
+                        f"{', ...' if len(encoder) > 3 else ''}), which would start random; pass a checkpoint with the "
+                        f"pre-training head (a BertForMaskedLM / BertForPreTraining, or `truneg export`'s folder){fix}")
     return model, set(info["unexpected_keys"])

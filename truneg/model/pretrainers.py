@@ -6,6 +6,7 @@ The MLM / generator head runs only at the masked positions.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,7 @@ def _correct(gold, pred, valid, lookup: SynonymLookup | None) -> torch.Tensor:
     return hard_correction(gold, pred, lookup) & valid
 
 
-def _fill(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def fill_masked(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """`ids` with `values` written at the valid masked positions (padding slots rewrite what is there)."""
     return ids.scatter(1, positions, torch.where(valid, values, ids.gather(1, positions)))
 
@@ -156,7 +157,7 @@ class BertPretrainer(_Pretrainer):
             # encoding of the masked sentence, and only H_p costs a pass. Related Work speaks of "the predicted
             # sentence and the original sentence": `--sr-sent-target original` encodes the unmasked original
             # instead (a second extra pass). Gradients flow into both H_p and H_s, as the loss is written.
-            h_pred = self.encode(_fill(input_ids, masked_positions, masked_valid, pred), attention_mask)
+            h_pred = self.encode(fill_masked(input_ids, masked_positions, masked_valid, pred), attention_mask)
             if self.objective.sr_sent_target == "original":
                 return h_pred, self.encode(original_ids, attention_mask), attention_mask
             return h_pred, hidden, attention_mask
@@ -198,7 +199,7 @@ class ElectraPretrainer(_Pretrainer):
         gen_loss = mlm_loss(gen_logits, gold, masked_valid & ~corrected)
 
         # The discriminator always sees the sample; its HC relabelling is judged on the sample too.
-        disc_input = _fill(input_ids, masked_positions, masked_valid, sample)
+        disc_input = fill_masked(input_ids, masked_positions, masked_valid, sample)
         corrected_sample = corrected if pred is sample else _correct(gold, sample, masked_valid, self.hc_lookup)
         corrected_full = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, masked_positions, corrected_sample)
         disc_labels = replaced_token_labels(disc_input, original_ids,
@@ -238,16 +239,19 @@ def build_pretrainer(
     dropout: float | None = None,
     vocab_size: int = VOCAB_SIZE,
     init_generator: str | Path | None = None,
+    new_head: bool = False,
 ) -> BertPretrainer | ElectraPretrainer:
     """A fresh model of a preset, or one continued from an HF checkpoint folder (`--init-from`; with
     `init_generator`, ELECTRA's discriminator there and its generator in that folder).
 
     `dropout` None keeps the checkpoint's own dropout (0.1 for a fresh model); `vocab_size` follows the
     tokenizer, so that no id a smaller vocab cannot produce has a row. With `init_from`, `preset` None takes
-    the checkpoint's architecture, and a preset that contradicts it is refused.
+    the checkpoint's architecture, and a preset that contradicts it is refused. `new_head` (BERT): the checkpoint
+    is an encoder without the MLM head (presets.from_pretrained_with_head), which starts as HF initialises it.
     """
     if init_from:
-        model = _continued(preset, Path(init_from), objective, Path(init_generator) if init_generator else None)
+        model = _continued(preset, Path(init_from), objective, Path(init_generator) if init_generator else None,
+                           new_head)
         rows = architecture(model)["vocab_size"]
         if vocab_size > rows:  # masking would draw ids past the embedding table
             raise UserError(f"the tokenizer has {vocab_size} tokens, --init-from's embeddings {rows} rows; pass "
@@ -268,9 +272,12 @@ def build_pretrainer(
     return ElectraPretrainer(generator, discriminator, objective)
 
 
-def _continued(preset: str | None, root: Path, objective: ObjectiveConfig,
-               generator_root: Path | None = None) -> BertPretrainer | ElectraPretrainer:
+def _continued(preset: str | None, root: Path, objective: ObjectiveConfig, generator_root: Path | None = None,
+               new_head: bool = False) -> BertPretrainer | ElectraPretrainer:
     electra = is_electra_checkpoint(root) or generator_root is not None
+    if new_head and electra:
+        raise UserError(f"--new-head starts a BERT's MLM head; --init-from {root} is an ELECTRA checkpoint, whose "
+                        "generator is the MLM: drop --new-head")
     if not electra:
         refuse_lone_electra(root)  # before --model's check, which would call it a BERT checkpoint
     if generator_root is not None and is_electra_checkpoint(root):
@@ -299,8 +306,11 @@ def _continued(preset: str | None, root: Path, objective: ObjectiveConfig,
         model = ElectraPretrainer(generator, discriminator, objective)
         config = discriminator.config
     else:
-        mlm, unexpected = from_pretrained_with_head(BertForMaskedLM, root)
+        mlm, unexpected = from_pretrained_with_head(BertForMaskedLM, root, new_head=new_head)
         model = BertPretrainer(mlm, objective, pooler=load_pooler(root, mlm.config, unexpected))
+        if new_head and os.environ.get("RANK", "0") == "0":
+            print(f"truneg: --new-head: {root} has no MLM head; its transform (dense, LayerNorm) and bias start as HF "
+                  "initialises them, the decoder tied to the loaded word embeddings", flush=True)
         config = model.mlm.config
     if preset is not None:
         loaded, wanted = {k: getattr(config, k) for k in SIZE_KEYS}, preset_sizes(preset)

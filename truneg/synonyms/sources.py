@@ -13,7 +13,7 @@ from tqdm import tqdm
 from transformers import AutoModel
 
 from truneg.errors import UserError
-from truneg.synonyms.table import SynonymTable, eligible_token_ids
+from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymTable, eligible_token_ids, vocab_sha256
 from truneg.synonyms.wordnet import load_wordnet
 
 
@@ -71,6 +71,12 @@ def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: boo
             cols.extend(synonyms)
     options = {"morphy": morphy, "wordnet_version": str(wn.get_version())}
     return SynonymTable.from_arrays(np.array(rows), np.array(cols), tokens, "wordnet", options)
+
+
+def wordnet_for_vocab(tokens: Sequence[str]) -> SynonymTable:
+    """The WordNet table of a vocab: the shipped one when it is this vocab's (instant), else built (about 3 s)."""
+    shipped = SynonymTable.load(SHIPPED_WORDNET_TABLE) if SHIPPED_WORDNET_TABLE.is_file() else None
+    return shipped if shipped is not None and shipped.sha256 == vocab_sha256(tokens) else build_from_wordnet(tokens)
 
 
 def read_word2vec(path: Path) -> dict[str, np.ndarray]:

@@ -21,6 +21,8 @@ from truneg.model.presets import (
     is_electra,
     is_electra_checkpoint,
 )
+from truneg.train.profiling import profile_problems
+from truneg.train.run_config import EVAL_MAX_SEQUENCES
 
 USAGE = """Pre-train BERT (MLM) or ELECTRA (RTD) on DeepSpeed, with the paper's hard correction and soft regularization.
 
@@ -52,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-steps", type=int, default=100,
                         help="0: no periodic checkpoints (benchmarks; a SIGTERM still saves)")
     parser.add_argument("--log-steps", type=int, default=10)
+    parser.add_argument("--eval-data", nargs="+",
+                        help="held-out text (the forms of --train-data), evaluated with fixed masks at step 0, every "
+                             "--eval-steps and at the last step (docs/pretraining.md#held-out-evaluation)")
+    parser.add_argument("--eval-steps", type=int, help="evaluate every N optimizer steps (default: at each checkpoint "
+                        "save)")
+    parser.add_argument("--eval-max-sequences", type=int,
+                        help=f"the first N sequences of --eval-data, over all ranks (default {EVAL_MAX_SEQUENCES})")
     parser.add_argument("--output-dir", type=Path, default=Path(DEFAULT_OUTPUT_DIR))
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--init-from", help="continue pre-training from an HF checkpoint: a folder, or a model name "
@@ -60,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ELECTRA from two checkpoints: --init-from is the discriminator (ElectraForPreTraining), "
                              "this the generator (ElectraForMaskedLM), each a folder or a hub name; one embedding "
                              "is kept, the discriminator's")
+    parser.add_argument("--new-head", action="store_true",
+                        help="BERT: --init-from is an encoder without the MLM head (a BertModel, a "
+                             "sentence-transformers model); the head starts as HF initialises it, its decoder tied "
+                             "to the loaded embeddings")
     parser.add_argument("--resume", default="auto",
                         help="auto (latest checkpoint in --output-dir, if any) | none | DIR")
     parser.add_argument("--overwrite", action="store_true",
@@ -103,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replica-check-steps", type=int, default=DEFAULT_REPLICA_CHECK_STEPS,
                         help="compare the data-parallel replicas' weights every N steps and before each checkpoint "
                              "(0: off)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the device's dense TFLOP/s for MFU (default: known GPUs' datasheet peak for the run's "
+                             "precision; the CPU and fp32 runs have an MFU only with this)")
+    parser.add_argument("--profile-steps", metavar="A:B",
+                        help="torch.profiler over optimizer steps A to B, inclusive, into OUTPUT/profile/stepA-B/")
+    parser.add_argument("--profile-ranks", metavar="R,R",
+                        help="the global ranks --profile-steps profiles (default: all)")
     return deepspeed.add_config_arguments(parser)
 
 
@@ -135,7 +155,8 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     # (--micro-batch-size and --gradient-accumulation-steps are checked with the config's own values, in
     # config.resolve_batch_sizes; --num-proc 0 means every CPU)
     floors = {"seq_len": 1, "max_steps": 1, "log_steps": 1, "max_nonfinite_steps": 1, "save_steps": 0,
-              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0, "seed": 0, "replica_check_steps": 0}
+              "keep_checkpoints": 0, "data_workers": 0, "num_proc": 0, "seed": 0, "replica_check_steps": 0,
+              "eval_steps": 1, "eval_max_sequences": 1}
     problems = [f"--{name.replace('_', '-')} {problem}" for name, least in floors.items()
                 if getattr(args, name) is not None and (problem := out_of_range(getattr(args, name), least))]
     if problem := step_timeout_problem(args.step_timeout):
@@ -169,6 +190,15 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--init-generator is the generator beside --init-from's discriminator: pass --init-from too")
     elif args.init_generator and args.model is not None and not is_electra(args.model):
         problems.append(f"--init-generator makes an ELECTRA run, --model {args.model} a BERT one; drop one of them")
+    if args.new_head and not args.init_from:
+        problems.append("--new-head starts the MLM head a checkpoint lacks: pass --init-from the checkpoint")
+    elif args.new_head and _is_electra_run(args):
+        problems.append("--new-head starts a BERT's MLM head; ELECTRA's generator is its MLM: drop --new-head")
+    if args.peak_tflops is not None and (problem := out_of_range(args.peak_tflops, 0, low_open=True)):
+        problems.append(f"--peak-tflops {problem}")
+    problems += profile_problems(args.profile_steps, args.profile_ranks, args.max_steps)
+    if not args.eval_data and (args.eval_steps is not None or args.eval_max_sequences is not None):
+        problems.append("--eval-steps and --eval-max-sequences set the held-out evaluation: pass --eval-data too")
     if args.overwrite and args.resume not in ("auto", "none"):  # it would start afresh, the checkpoint unread
         problems.append(f"--overwrite starts afresh, --resume {args.resume} continues a checkpoint: to continue it in "
                         "a folder that holds another run, choose an empty --output-dir instead")

@@ -16,8 +16,8 @@ from truneg.errors import UserError
 from truneg.model import hub
 from truneg.model.compile import compile_layers
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, parameter_groups
-from truneg.synonyms.sources import build_from_embeddings, build_from_wordnet
-from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable, vocab_sha256
+from truneg.synonyms.sources import build_from_embeddings, wordnet_for_vocab
+from truneg.synonyms.table import SynonymLookup, SynonymTable
 from truneg.train import checkpoint, distributed
 from truneg.train.args import parse_args
 from truneg.train.checks import deepspeed_optimizer, resolve_config, start_problems
@@ -116,10 +116,7 @@ def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Synonym
     if cfg.hc == "none":
         return None
     if cfg.hc == "wordnet":
-        shipped = SynonymTable.load(SHIPPED_WORDNET_TABLE) if SHIPPED_WORDNET_TABLE.is_file() else None
-        if shipped is not None and shipped.sha256 == vocab_sha256(tokens):
-            return shipped
-        table = build_from_wordnet(tokens)  # another vocab: about 3 s
+        table = wordnet_for_vocab(tokens)
         if table.num_entries == 0:
             raise UserError(f"--hc wordnet: no word of the vocab of --tokenizer {cfg.tokenizer} has a WordNet synonym "
                             "in it, so HC would correct nothing; it needs whole words as tokens (WordPiece, as BERT's)")
@@ -188,7 +185,7 @@ def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int,
     init = init or {}
     folders = {field: init[field].path if field in init else getattr(cfg, field) for field in INIT_FLAGS}
     return build_pretrainer(cfg.model, objective, folders["init_from"], cfg.dropout, vocab_size,
-                            init_generator=folders["init_generator"])
+                            init_generator=folders["init_generator"], new_head=cfg.new_head)
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, ds_config: dict) -> DeepSpeedEngine:

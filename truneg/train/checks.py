@@ -274,4 +274,5 @@ def path_problems(args: argparse.Namespace, nodes: int = 1) -> list[str]:
             problems.append(problem)
     problems += _check_output_dir(args.output_dir, nodes)
     problems += _check_corpus(args.train_data)
+    problems += [f"--eval-data: {p}" for p in _check_corpus(getattr(args, "eval_data", None) or [])]
     return problems

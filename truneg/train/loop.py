@@ -26,15 +26,18 @@ from truneg.errors import UserError
 from truneg.train import checkpoint, replicas
 from truneg.train.distributed import on_rank_zero, seed
 from truneg.train.ds_config import MONITORS
+from truneg.train.efficiency import Efficiency, TimedBatches, console_fields
 from truneg.train.metrics import MetricsLogger
+from truneg.train.profiling import StepProfiler
 from truneg.train.run_config import RunConfig
-from truneg.train.watchdog import FIRST_STEP, LOAD, SAVE, STEP, StepWatchdog
+from truneg.train.watchdog import EVAL, FIRST_STEP, LOAD, SAVE, STEP, StepWatchdog
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
     from truneg.data.blocks import PreparedBlocks
+    from truneg.train.heldout import HeldOut
 
 # Fault injection for tests: a comma-separated list of optimizer steps whose loss becomes NaN on rank 0.
 INJECT_NONFINITE_ENV = "TRUNEG_INJECT_NONFINITE_STEPS"
@@ -45,10 +48,11 @@ class TrainState:
     """Everything the loop mutates besides the engine (which holds model, optimizer, scheduler and step)."""
 
     sampler: ResumableSampler
-    batches: MaskedBatches
+    batches: TimedBatches  # MaskedBatches, its input wait timed
     metrics: MetricsLogger
     rank: int
     nonfinite_in_a_row: int = 0
+    heldout: HeldOut | None = None  # --eval-data's evaluation
 
     def save(self, cfg: RunConfig, engine: DeepSpeedEngine, step: int) -> None:
         """A collective. The data position goes with DeepSpeed's client state, the RNG states and the metric
@@ -85,11 +89,14 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
             metrics.load_state_dict(rank_state["metrics"])
         if rank == 0:
             print(f"truneg: resumed from {resume.checkpoint_dir} at step {step}", flush=True)
-    # Records a killed run wrote after its last checkpoint (or before its first) are not history.
-    metrics.truncate_after(engine.global_steps)
+    # Records a killed run wrote after its last checkpoint (or before its first, its step-0 evaluation too) are not
+    # history. A resume keeps the evaluation of its checkpoint's step (it ran before that save).
+    metrics.truncate_after(engine.global_steps or -1)
     metrics.purge_monitors_after(int(engine.global_samples))
-    batches = MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed, cfg.max_predictions,
-                            cfg.data_workers, device=engine.device)
+    batches = TimedBatches(MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed,
+                                         cfg.max_predictions, cfg.data_workers, device=engine.device))
+    metrics.efficiency = Efficiency.for_run(engine, batches, cfg.seq_len, cfg.max_predictions, cfg.peak_tflops, rank,
+                                            world_size)
     return TrainState(sampler, batches, metrics, rank)
 
 
@@ -194,31 +201,41 @@ def compile_summary() -> str:
     return f"compile: {graphs} graph(s), {breaks} graph break(s)"
 
 
+def _evaluate(state: TrainState, engine: DeepSpeedEngine, step: int, watchdog: StepWatchdog | None) -> None:
+    """The held-out evaluation of the weights after `step` updates, timed by the watchdog as a phase of its own
+    (the caller ends it, or the next phase replaces it)."""
+    if watchdog is not None:
+        watchdog.started(step, EVAL)
+    state.heldout.run(engine, step, state.metrics)
+
+
 def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
-    watchdog = StepWatchdog.for_run(cfg.step_timeout, cfg.output_dir)
-    failed = True
-    try:
-        _train(cfg, engine, state, watchdog)
-        failed = False
-    finally:
-        if watchdog is not None:
-            watchdog.close(failed)
+    profiler = StepProfiler(cfg.profile_steps, cfg.profile_ranks, state.rank, cfg.profile_dir, engine.device)
+    with StepWatchdog.running(cfg.step_timeout, cfg.output_dir) as watchdog, profiler:
+        _train(cfg, engine, state, watchdog, profiler)
 
 
-def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog: StepWatchdog | None) -> None:
+def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog: StepWatchdog | None,
+           profiler: StepProfiler) -> None:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
-    diverge_at = replicas.injected_step()
-    diverge_at = diverge_at if state.rank == 1 else None
+    diverge_at = replicas.injected_step()  # tests: rank 1 perturbs a weight after it (read on every rank)
     check_replicas = cfg.replica_check_steps > 0 and replicas.applies(engine)
+    if state.heldout is not None and engine.global_steps == 0:  # before the first update; a resume does not repeat it
+        _evaluate(state, engine, 0, watchdog)
+        if watchdog is not None:
+            watchdog.ended()
     started, start_step = time.perf_counter(), engine.global_steps
     state.metrics.interval_start = started  # the throughput counts training, not the start-up or a resume's load
     step = start_step
     while step < cfg.max_steps:
-        if watchdog is not None:  # the launch's first step may compile: the long limit
-            watchdog.started(step + 1, FIRST_STEP if step == start_step else STEP)
-        stop_requested, skipped = train_step(engine, state, stop, guard, inject)
+        if watchdog is not None:  # the launch's first step may compile, a profiled window's end writes traces (the
+            # writing ranks in its last step, the others waiting in the next): the long limit
+            long = step == start_step or profiler.writes_during(step + 1)
+            watchdog.started(step + 1, FIRST_STEP if long else STEP)
+        with profiler.step(step + 1):
+            stop_requested, skipped = train_step(engine, state, stop, guard, inject)
         step = engine.global_steps
-        if step == diverge_at:
+        if state.rank == 1 and step == diverge_at:
             replicas.perturb(engine)
         # A non-finite loss, in any precision (fp16's scaler overflows are non-finite gradients of a finite loss,
         # which DeepSpeed skips and counts in skipped_steps; a loss scale cannot bring a non-finite loss back).
@@ -237,13 +254,16 @@ def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog:
             record = state.metrics.log(step)
             if state.rank == 0 and record:
                 eta = (cfg.max_steps - step) * (time.perf_counter() - started) / max(step - start_step, 1)
-                print(_console_line(step, cfg.max_steps, record, eta, hc=cfg.hc != "none"), flush=True)
+                print(_console_line(step, cfg.max_steps, record, eta, hc=cfg.hc != "none") + console_fields(record),
+                      flush=True)
         # No checkpoint inside a run of skipped steps: `latest` stays the last good one.
         saving = cfg.save_steps > 0 and (step % cfg.save_steps == 0 or step
                                          == cfg.max_steps) and not state.nonfinite_in_a_row
-        # nor of diverged replicas: checked before every save too
+        # nor of diverged replicas: checked before every save too (a collective, under the step's limit)
         if check_replicas and (step % cfg.replica_check_steps == 0 or saving or stop_requested):
             replicas.check(engine, step, checkpoint.latest_tag(cfg.checkpoint_dir))
+        if state.heldout is not None and state.heldout.due(step) and not stop_requested:  # before the step's save
+            _evaluate(state, engine, step, watchdog)
         if saving or stop_requested:
             if watchdog is not None:
                 watchdog.started(step, SAVE)

@@ -16,10 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
+from truneg.train.efficiency import THROUGHPUT_KEYS
+from truneg.train.heldout import EVAL_PREFIX
 from truneg.train.run_config import METRICS
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from truneg.train.efficiency import Efficiency
 
 
 def _step_of(line: str) -> float:
@@ -41,6 +45,7 @@ class MetricsLogger:
         self.nonfinite_steps = 0
         self.interval_start = time.perf_counter()
         self.interval_samples = 0
+        self.efficiency: Efficiency | None = None  # tflops, mfu, memory, data wait, grad norm (loop.start_state)
 
     def add(self, stats: dict[str, torch.Tensor], loss: torch.Tensor, finite: torch.Tensor, samples: int) -> None:
         """Accumulate one micro-step (stats are detached 0-d tensors; no host sync here). A micro-step whose
@@ -86,21 +91,24 @@ class MetricsLogger:
         self.nonfinite_steps = state["nonfinite_steps"]
         # not interval_samples: the throughput is the samples this process trained over the time it took
 
-    def _reduced(self) -> dict[str, float]:
+    def _reduced(self) -> tuple[dict[str, float], list[float]]:
+        """(the sums over ranks, each rank's efficiency values side by side): one all-reduce, one sync."""
         counters = torch.tensor(
             [self.micro_steps, self.nonfinite_steps, self.interval_samples], dtype=torch.float64,
             device=self.sums.device
         )
-        packed = torch.cat([self.sums, counters])
+        ranks = self.efficiency.rank_values(self.sums.device) if self.efficiency else self.sums.new_zeros(0)
+        packed = torch.cat([self.sums, counters, ranks])
         if dist.is_initialized():
             dist.all_reduce(packed)
-        return dict(zip(self.keys + ["micro_steps", "nonfinite_steps", "samples"], packed.tolist()))
+        values, names = packed.tolist(), self.keys + ["micro_steps", "nonfinite_steps", "samples"]
+        return dict(zip(names, values)), values[len(names):]
 
     def log(self, step: int) -> dict | None:
         """All-reduce the interval's sums (a collective: every rank calls it) and write on rank 0."""
         if self.sums is None:
             return None
-        totals = self._reduced()
+        totals, rank_values = self._reduced()
         elapsed = time.perf_counter() - self.interval_start
         finite = totals["finite_micro_steps"]
         record = {"step": step, "samples": int(self.engine.global_samples)}
@@ -125,14 +133,31 @@ class MetricsLogger:
         record["skipped_steps"] = int(self.engine.skipped_steps)  # DeepSpeed's running total: its own check's skips
         record["samples_per_sec"] = totals["samples"] / elapsed if elapsed > 0 else math.nan
         record["tokens_per_sec"] = record["samples_per_sec"] * self.seq_len
-        if self.rank == 0:  # lr and loss_scale: DeepSpeed's engine writes them itself at every step
+        if self.efficiency is not None:
+            record.update(self.efficiency.record(rank_values, totals["samples"], elapsed))
+        # lr and loss_scale: DeepSpeed's engine writes them itself at every step; a warm-up's throughput is no point
+        # of the curves
+        left_out = ("step", "samples", "lr", "loss_scale", "warmup", *(THROUGHPUT_KEYS if "warmup" in record else ()))
+        if self.rank == 0:
             self.engine.monitor.write_events([(f"Train/Samples/{k}", v, record["samples"]) for k, v in record.items()
-                                              if k not in ("step", "samples", "lr", "loss_scale")])
+                                              if k not in left_out])
             with open(self.jsonl, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
         self.keys, self.sums, self.micro_steps, self.nonfinite_steps, self.interval_samples = [], None, 0, 0, 0
+        if self.efficiency is not None:
+            self.efficiency.reset()
         self.interval_start = time.perf_counter()
         return record
+
+    def write_eval(self, record: dict) -> None:
+        """A held-out evaluation's record (truneg.train.heldout), on rank 0: a line of its own in metrics.jsonl (no
+        `loss` key), and `Eval/...` events against the samples seen, beside DeepSpeed's `Train/Samples/*`."""
+        if self.rank != 0:
+            return
+        self.engine.monitor.write_events([(f"Eval/{k.removeprefix(EVAL_PREFIX)}", v, record["samples"])
+                                          for k, v in record.items() if k not in ("step", "samples")])
+        with open(self.jsonl, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """On resume from `step`: drop the records the interrupted run wrote after it (rank 0)."""

@@ -9,11 +9,15 @@ from pathlib import Path
 import torch
 
 from truneg.data.masking import default_max_predictions
+from truneg.train.profiling import parse_profile_ranks, parse_profile_steps
 
 # The output folder's layout (--output-dir), besides run.json (run_dir.RUN_FILE) and DeepSpeed's monitors'
 # folders (config.MONITORS).
 CHECKPOINTS = "checkpoints"  # DeepSpeed's tags and `latest`
 METRICS = "metrics.jsonl"  # truneg's record of each logged step
+PROFILE = "profile"  # --profile-steps' traces
+
+EVAL_MAX_SEQUENCES = 1024  # --eval-max-sequences' default: its cost is bench/eval_cost.py's
 
 HC_SOURCES = ("none", "wordnet", "embedding")  # --hc's keywords; any other value is a table file (FILE.npz)
 
@@ -24,6 +28,7 @@ class RunConfig:
     model: str | None  # a preset; None: electra-tiny, or the --init-from checkpoint's own architecture
     init_from: str | None
     init_generator: str | None  # ELECTRA's generator beside --init-from's discriminator
+    new_head: bool  # BERT: --init-from lacks the MLM head, which starts as HF initialises it
     dropout: float | None  # None: 0.1 for a fresh model, the checkpoint's own with --init-from
     hc: str
     hc_embeddings: str | None
@@ -48,6 +53,13 @@ class RunConfig:
     max_nonfinite_steps: int
     seed: int
     compile: str | None  # None | layers | whole (truneg.model.compile)
+    # watching the run: not its identity (run_dir.run_identity), a resume may change them
+    peak_tflops: float | None  # MFU's peak; None: the device's, where known (truneg.train.flops)
+    profile_steps: tuple[int, int] | None  # --profile-steps A:B (truneg.train.profiling)
+    profile_ranks: tuple[int, ...] | None  # None: every rank
+    eval_data: list[str] | None  # held-out text (truneg.train.heldout); None: no evaluation
+    eval_steps: int | None  # None: at each checkpoint save (and always at step 0 and the last step)
+    eval_max_sequences: int
     # output, checkpoints, resume
     output_dir: Path
     save_steps: int
@@ -65,6 +77,12 @@ class RunConfig:
         values["output_dir"] = Path(args.output_dir)
         values["max_predictions"] = args.max_predictions or default_max_predictions(args.seq_len)
         values["sr_sent_target"] = args.sr_sent_target or "masked"  # ELECTRA takes the original whatever it says
+        values["eval_data"] = list(args.eval_data) if getattr(args, "eval_data", None) else None
+        values["eval_max_sequences"] = getattr(args, "eval_max_sequences", None) or EVAL_MAX_SEQUENCES
+        if values["profile_steps"] is not None:  # (checked by args.argument_problems)
+            values["profile_steps"] = parse_profile_steps(values["profile_steps"])
+        if values["profile_ranks"] is not None:
+            values["profile_ranks"] = parse_profile_ranks(values["profile_ranks"])
         if args.data_workers is None:  # background masking where a GPU waits for it; on CPU ranks it takes a core
             values["data_workers"] = 2 if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else 0
         return cls(**values)
@@ -76,3 +94,7 @@ class RunConfig:
     @property
     def metrics_file(self) -> Path:
         return self.output_dir / METRICS
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.output_dir / PROFILE

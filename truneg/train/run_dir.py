@@ -18,7 +18,7 @@ from truneg.errors import UserError
 from truneg.train.checkpoint import complete_tags
 from truneg.train.distributed import on_rank_zero
 from truneg.train.ds_config import MONITORS
-from truneg.train.run_config import CHECKPOINTS, HC_SOURCES, METRICS, RunConfig
+from truneg.train.run_config import CHECKPOINTS, HC_SOURCES, METRICS, PROFILE, RunConfig
 
 RUN_FILE = "run.json"
 SHARED_PROBE_TIMEOUT_S = 10.0  # network file systems cache attributes for a few seconds
@@ -39,6 +39,7 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
         "sr": cfg.sr, "sr_weight": cfg.sr_weight, "sr_sent_target": cfg.sr_sent_target, "dropout": cfg.dropout,
         "ds_config": config, **parts,
         **({"init_generator": cfg.init_generator} if cfg.init_generator else {}),  # (absent from older records)
+        **({"new_head": True} if cfg.new_head else {}),  # (only when set: earlier runs still resume)
     }
 
 
@@ -119,7 +120,7 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
 
     def record() -> None:
         if cfg.overwrite:
-            for name in (CHECKPOINTS, *filter(None, MONITORS.values())):
+            for name in (CHECKPOINTS, PROFILE, *filter(None, MONITORS.values())):
                 shutil.rmtree(out / name, ignore_errors=True)
             (out / METRICS).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)

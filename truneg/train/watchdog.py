@@ -12,11 +12,11 @@ exits; rank 0 exits last, since its exit closes the store. A rank whose main thr
 its watchdog: faulthandler's own timer dumps its stack to stderr and ends it a little later.
 
 Covered by --step-timeout: each optimizer step (forward, backward, update, its all-reduces, the log and the replica
-check). The first step of each launch (a compile, the collectives' set-up), each checkpoint save and a resume's load
-(its checksums too) take as long as the model and the checkpoint's size ask: their limit is the collective timeout
-less a minute, so that the stacks and the names still come before it ends the run. Not covered: a universal
-conversion (rank 0 alone, before the engine; the other ranks wait for it in an all-reduce, so its limit is the
-collective timeout's).
+check). The first step of each launch (a compile, the collectives' set-up), each held-out evaluation, each checkpoint
+save and a resume's load (its checksums too) take as long as the model and the checkpoint's size ask: their limit
+is the collective timeout less a minute, so that the stacks and the names still come before it ends the run. Not
+covered: a universal conversion (rank 0 alone, before the engine; the other ranks wait for it in an all-reduce, so its
+limit is the collective timeout's).
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ DONE_KEY = "truneg/hang_diagnosed"  # rank 0 has spoken: the step it diagnosed
 ACK_KEY = "truneg/hang_acks"  # the running ranks that have heard it (rank 0 then exits, taking its store along)
 NCCL_TRACE_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 STEP, FIRST_STEP, SAVE, LOAD = "step", "first step", "save", "load"  # the phases started() times
+EVAL = "eval"  # a held-out evaluation (truneg.train.heldout): after its step's training, before its save
+STAGE = {EVAL: 1, SAVE: 2}  # where in its step a rank is (the rest: 0, its training), as its beat says
 
 
 def enable_flight_recorder(output_dir: Path) -> None:
@@ -88,18 +90,26 @@ class StepWatchdog:
 
     @classmethod
     @contextmanager
-    def timing(cls, timeout_s: float, output_dir: Path, step: int, phase: str) -> Iterator[None]:
-        """One phase outside the steps (a resume's load) under the long limit, by a watchdog of its own."""
+    def running(cls, timeout_s: float, output_dir: Path) -> Iterator[StepWatchdog | None]:
+        """The run's watchdog (None when --step-timeout is 0) for the block, closed after it and told whether the
+        block left on an exception (see close)."""
         watchdog = cls.for_run(timeout_s, output_dir)
         failed = True
         try:
-            if watchdog is not None:
-                watchdog.started(step, phase)
-            yield
+            yield watchdog
             failed = False
         finally:
             if watchdog is not None:
                 watchdog.close(failed)
+
+    @classmethod
+    @contextmanager
+    def timing(cls, timeout_s: float, output_dir: Path, step: int, phase: str) -> Iterator[None]:
+        """One phase outside the steps (a resume's load) under the long limit, by a watchdog of its own."""
+        with cls.running(timeout_s, output_dir) as watchdog:
+            if watchdog is not None:
+                watchdog.started(step, phase)
+            yield
 
     def started(self, step: int, phase: str = STEP) -> None:
         self.step, self.phase = step, phase
@@ -140,7 +150,7 @@ class StepWatchdog:
     def _beat(self) -> None:
         self.beats += 1
         try:
-            self.store.set(KEY.format(rank=self.rank), f"{self.step} {int(self.phase == SAVE)} {self.beats}")
+            self.store.set(KEY.format(rank=self.rank), f"{self.step} {STAGE.get(self.phase, 0)} {self.beats}")
         except Exception:  # rank 0's store gone or stuck: the timeout still names what it can
             pass
 
@@ -185,12 +195,12 @@ class StepWatchdog:
             key = KEY.format(rank=rank)
             try:  # `check` first: a get of a key never set would wait the store's timeout
                 beat = self.store.get(key).decode().split() if self.store.check([key]) else None
-                beats[rank] = None if beat is None else tuple(int(v) for v in beat)  # step, in its save, count
+                beats[rank] = None if beat is None else tuple(int(v) for v in beat)  # step, its STAGE, count
             except Exception:  # never beat, or the store did not answer in time
                 beats[rank] = None
         return beats
 
-    def behind(self, step: int, saving: bool = False) -> tuple[list[str], int]:
+    def behind(self, step: int, stage: int = 0) -> tuple[list[str], int]:
         """Rank 0: what each rank that is not in `step` and running is doing, read twice a few beats apart; and how
         many of the other ranks are running (they beat)."""
         first = self._read_beats()
@@ -208,8 +218,9 @@ class StepWatchdog:
                 found.append(f"rank {rank} stopped running (last seen in step {now[0]})")
                 continue
             running += 1
-            if now[:2] < (step, int(saving)):
-                found.append(f"rank {rank} is still in step {now[0]}" + (" (its training)" if now[0] == step else ""))
+            if now[:2] < (step, stage):
+                within = " (its training)" if now[1] == 0 else " (its eval)"
+                found.append(f"rank {rank} is still in step {now[0]}" + (within if now[0] == step else ""))
         return found, running
 
     def _rank_zero_spoke(self) -> int | None:
@@ -265,7 +276,8 @@ class StepWatchdog:
         if self.phase == STEP:
             return f"step {step} ran past --step-timeout {self.timeout_s:g} s"
         what = {FIRST_STEP: f"step {step}, the launch's first,", SAVE: f"step {step}'s checkpoint save",
-                LOAD: f"the resume's load of step {step}'s checkpoint"}[self.phase]
+                LOAD: f"the resume's load of step {step}'s checkpoint", EVAL: f"step {step}'s held-out evaluation"
+                }[self.phase]
         return f"{what} ran past {self.limit_s:g} s (the collective timeout less a minute)"
 
     def _diagnose(self, step: int) -> None:
@@ -280,7 +292,7 @@ class StepWatchdog:
                 self._leave(f"truneg: error: {self._what(step)} and rank 0's store does not answer: rank 0 (or its "
                             f"node) is the one behind; this rank's stack is {where}", heard=False)
             return
-        found, running = self.behind(step, saving=self.phase == SAVE)
+        found, running = self.behind(step, STAGE.get(self.phase, 0))
         who = "; ".join(found) if found else "every rank is in it (their stacks say where)"
         print(f"truneg: error: {self._what(step)}: {who}; every running rank's stack is {where}. Resume from the "
               "last checkpoint once the node is replaced", file=sys.stderr, flush=True)

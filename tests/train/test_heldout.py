@@ -1,0 +1,212 @@
+"""The held-out evaluation in one process: its figures against independent computations (HF's models on the same
+masked inputs, scikit-learn's metrics), its sharding over ranks, and the model's mode after it. (In real launches:
+test_engine, test_reliability, test_analysis.)"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO, cli_in_process, hub_snapshot
+from sklearn.metrics import accuracy_score, precision_score, recall_score, roc_auc_score
+
+from truneg.data.blocks import load_tokenizer
+from truneg.data.masking import default_max_predictions, mask_tokens
+from truneg.model import pretrainers as models
+from truneg.train.heldout import EVAL_SEED, HeldOut, metrics_of, roc_auc, sample_with, wordnet_table
+
+SEQ_LEN, COUNT, MICRO = 32, 37, 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def blocks(tokenizer) -> np.ndarray:
+    """[CLS] 30 tokens of the novel [SEP], as pre-training packs it."""
+    text = (REPO / "truneg" / "assets" / "corpus" / "austen_pride_and_prejudice.txt").read_text()[:20_000]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    body = SEQ_LEN - 2
+    rows = [[tokenizer.cls_token_id, *ids[i:i + body], tokenizer.sep_token_id] for i in range(0, 60 * body, body)]
+    return np.array(rows, dtype=np.int32)
+
+
+def frequent_word_bias(mlm, tokenizer) -> None:
+    """An untrained head predicts nothing right; this one's bias makes "the" its argmax and a few words likely, so
+    that the accuracy and the loss are not trivial."""
+    with torch.no_grad():
+        for rank, word in enumerate(["the", ",", ".", "of", "and"]):
+            mlm.cls.predictions.bias[tokenizer.convert_tokens_to_ids(word)] += 8.0 - rank
+
+
+def reference_batch(blocks, tokenizer, scheme):
+    """The first COUNT sequences masked by training's own function: seed 0, epoch 0, their indices."""
+    return mask_tokens(blocks[:COUNT], tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme,
+                       EVAL_SEED, 0, np.arange(COUNT), default_max_predictions(SEQ_LEN))
+
+
+def test_bert_eval_equals_hf_bert_for_masked_lm_on_the_same_masked_inputs(blocks, tokenizer):
+    torch.manual_seed(0)
+    model = models.build_pretrainer("bert-tiny", models.ObjectiveConfig())
+    frequent_word_bias(model.mlm, tokenizer)
+    figures = HeldOut(blocks, tokenizer, "bert", COUNT, MICRO, None).evaluate(model)
+
+    batch = reference_batch(blocks, tokenizer, "bert")
+    labels = torch.full_like(batch["original_ids"], -100)
+    rows = torch.arange(COUNT)[:, None].expand_as(batch["masked_positions"])
+    at = batch["masked_valid"]
+    labels[rows[at], batch["masked_positions"][at]] = batch["original_ids"][rows[at], batch["masked_positions"][at]]
+    model.mlm.eval()
+    with torch.no_grad():
+        hf = model.mlm(input_ids=batch["input_ids"], labels=labels)  # HF's own loss: the full head, mean over labels
+    model.mlm.train()
+    labelled = labels != -100
+    correct = int((hf.logits.argmax(-1)[labelled] == labels[labelled]).sum())
+    assert figures["eval_masked"] == int(labelled.sum()) and figures["eval_sequences"] == COUNT
+    assert figures["eval_mlm_loss"] == pytest.approx(hf.loss.item(), rel=1e-6)
+    assert figures["eval_mlm_accuracy"] == correct / int(labelled.sum()) and 0.02 < figures["eval_mlm_accuracy"] < 1
+    assert figures["eval_perplexity"] == pytest.approx(math.exp(hf.loss.item()), rel=1e-6)
+
+
+def test_electra_disc_metrics_equal_scikit_learns_on_the_same_scores(blocks, tokenizer):
+    torch.manual_seed(1)
+    model = models.build_pretrainer("electra-tiny", models.ObjectiveConfig())
+    with torch.no_grad():  # a discriminator that scores something: a replaced token reads as [MASK] does
+        model.discriminator.discriminator_predictions.dense_prediction.bias += 0.3
+    figures = HeldOut(blocks, tokenizer, "electra", COUNT, MICRO, None).evaluate(model)
+
+    batch = reference_batch(blocks, tokenizer, "electra")
+    slots = default_max_predictions(SEQ_LEN)
+    uniforms = torch.from_numpy(np.stack([np.random.default_rng([EVAL_SEED, 0, i, 1]).random(slots)
+                                          for i in range(COUNT)]).astype(np.float32))
+    model.eval()
+    with torch.no_grad():
+        logits = model.generator(input_ids=batch["input_ids"]).logits  # HF's full head, gathered after
+        positions, valid = batch["masked_positions"], batch["masked_valid"]
+        at_masked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+        sample = sample_with(at_masked, uniforms)
+        filled = batch["input_ids"].clone()
+        rows = torch.arange(COUNT)[:, None].expand_as(positions)
+        filled[rows[valid], positions[valid]] = sample[valid]
+        scores = model.discriminator(input_ids=filled).logits.flatten().numpy()
+    model.train()
+    labels = (filled != batch["original_ids"]).flatten().numpy()
+    gold = batch["original_ids"].gather(1, positions)
+    assert 0 < labels.sum() < len(labels)
+    assert figures["eval_disc_auc"] == pytest.approx(roc_auc_score(labels, scores), rel=1e-12)
+    assert figures["eval_disc_precision"] == pytest.approx(precision_score(labels, scores > 0), rel=1e-12)
+    assert figures["eval_disc_recall"] == pytest.approx(recall_score(labels, scores > 0), rel=1e-12)
+    assert figures["eval_disc_accuracy"] == pytest.approx(accuracy_score(labels, scores > 0), rel=1e-12)
+    bce = F.binary_cross_entropy_with_logits(torch.from_numpy(scores), torch.from_numpy(labels).float())
+    assert figures["eval_disc_loss"] == pytest.approx(bce.item(), rel=1e-6)
+    ce = F.cross_entropy(at_masked[valid], gold[valid])
+    assert figures["eval_mlm_loss"] == pytest.approx(ce.item(), rel=1e-6)
+    hits = int((sample[valid] == gold[valid]).sum())
+    assert figures["eval_mlm_sampled_accuracy"] == hits / int(valid.sum())
+
+
+def test_roc_auc_is_exact_with_ties():
+    rng = np.random.default_rng(0)
+    scores = np.round(rng.normal(size=2000), 1)  # many ties
+    labels = rng.random(2000) < 1 / (1 + np.exp(-2 * scores))
+    assert roc_auc(torch.from_numpy(scores).float(), torch.from_numpy(labels)) == pytest.approx(
+        roc_auc_score(labels, scores.astype(np.float32)), rel=1e-12)
+    assert math.isnan(roc_auc(torch.ones(3), torch.zeros(3)))
+
+
+@pytest.mark.parametrize("preset", ["bert-tiny", "electra-tiny"])
+def test_two_ranks_shares_add_up_to_one_ranks_bitwise_and_the_model_is_left_training(preset, blocks, tokenizer):
+    """Sequence i on rank i % 2, each share padded to whole micro-batches with zero weight: the two ranks' sums
+    (what the all-reduce adds) are one rank's, bit for bit, and so are the discriminator's scores; the generator's
+    samples and the masks follow the sequence, not its rank or batch. Dropout is off in the eval (two evals agree)
+    and on after it."""
+    torch.manual_seed(2)
+    model = models.build_pretrainer(preset, models.ObjectiveConfig(), dropout=0.1)
+    table = wordnet_table(tokenizer)
+    one = HeldOut(blocks, tokenizer, model.scheme, COUNT, MICRO, table)
+    shares = [HeldOut(blocks, tokenizer, model.scheme, COUNT, MICRO, table, rank=r, world_size=2) for r in range(2)]
+    assert [len(s.batches) for s in shares] == [5, 5]  # 19 sequences each, padded to 20
+    keys, sums, scores = one.local_sums(model)
+    parts = [share.local_sums(model) for share in shares]
+    assert all(p[0] == keys for p in parts)
+    assert torch.equal(parts[0][1] + parts[1][1], sums)
+    figures = metrics_of(dict(zip(keys, sums.tolist())), None if scores is None else
+                         roc_auc(scores[0][scores[2]], scores[1][scores[2]]))
+    assert figures == one.evaluate(model) == one.evaluate(model)  # dropout off in the eval
+    if scores is not None:
+        order = np.argsort(np.r_[np.arange(0, COUNT, 2), np.arange(1, COUNT, 2)], kind="stable")
+        counted = [p[2][0][p[2][2]].view(-1, SEQ_LEN) for p in parts]
+        assert torch.equal(torch.cat(counted)[torch.from_numpy(order)], scores[0][scores[2]].view(-1, SEQ_LEN))
+    assert model.training and all(m.training for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    model.eval()
+    one.evaluate(model)
+    assert not model.training  # the mode it was in
+
+
+def test_sampling_follows_the_softmax():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).expand(20000, 3)
+    uniforms = torch.from_numpy(np.random.default_rng(0).random(20000).astype(np.float32))
+    counts = torch.bincount(sample_with(logits[:, None], uniforms[:, None]).flatten(), minlength=3) / 20000
+    assert torch.allclose(counts, torch.tensor([0.1, 0.6, 0.3]), atol=0.01)
+
+
+def test_the_eval_runs_the_layers_compile_adds_its_graphs_to_the_summary_and_leaves_trainings_alone(blocks, tokenizer):
+    """--compile layers (ELECTRA: both encoders and all three heads compiled): the eval calls the compiled parts (eval
+    mode, no grad: graphs of its own, which the run's compile summary counts), with no graph break and the eager
+    figures; training afterwards compiles nothing new."""
+    preset = "electra-tiny"
+    from torch._dynamo.utils import counters
+
+    from truneg.model.compile import compile_layers
+    from truneg.train.loop import compile_summary
+
+    torch.manual_seed(3)
+    eager = models.build_pretrainer(preset, models.ObjectiveConfig())
+    compiled = models.build_pretrainer(preset, models.ObjectiveConfig())
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(compiled, backend="eager")  # dynamo's graphs and guards, without AOTAutograd's seconds
+    batch = mask_tokens(blocks[:MICRO], tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
+                        compiled.scheme, 0, 0, np.arange(MICRO), default_max_predictions(SEQ_LEN))
+    compiled(**batch)[0].backward()
+    trained_graphs = counters["stats"]["unique_graphs"]
+    heldout = HeldOut(blocks, tokenizer, compiled.scheme, 8, MICRO, None)
+    figures = heldout.evaluate(compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > trained_graphs and not sum(counters["graph_break"].values())
+    assert compile_summary() == f"compile: {graphs} graph(s), 0 graph break(s)"
+    expected = heldout.evaluate(eager)
+    assert figures.keys() == expected.keys()
+    assert all(figures[k] == pytest.approx(expected[k], rel=1e-6) for k in figures)
+    compiled(**batch)[0].backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_truneg_eval_takes_an_electra_pair_of_hub_names_as_init_generator_does(tmp_path, offline_hub, monkeypatch):
+    """`truneg eval DISCRIMINATOR GENERATOR`: two hub names (an offline HF cache), tied into one model as a run
+    continuing them would be, and its figures those of the model they were saved from."""
+    from truneg.data.blocks import open_training_blocks
+
+    monkeypatch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))
+    tokenizer = load_tokenizer()
+    torch.manual_seed(4)
+    model = models.build_pretrainer("electra-tiny", models.ObjectiveConfig())
+    model.discriminator.save_pretrained(hub_snapshot(offline_hub, "org/tiny-discriminator", "d1" * 20))
+    model.generator.save_pretrained(hub_snapshot(offline_hub, "org/tiny-generator", "e1" * 20))
+    text = tmp_path / "held-out.txt"
+    text.write_text((REPO / "truneg" / "assets" / "corpus" / "austen_pride_and_prejudice.txt").read_text()[:30_000])
+    proc = cli_in_process("eval", "org/tiny-discriminator", "org/tiny-generator", "--data", str(text), "--seq-len",
+                          str(SEQ_LEN), "--eval-max-sequences", str(COUNT), "--out", str(tmp_path / "eval.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [record] = json.loads((tmp_path / "eval.json").read_text())
+    blocks, _ = open_training_blocks([str(text)], tokenizer, SEQ_LEN)
+    expected = HeldOut(blocks, tokenizer, "electra", COUNT, 32, wordnet_table(tokenizer)).evaluate(model)
+    assert (record.pop("checkpoint"), record.pop("step")) == ("org/tiny-discriminator", -1)
+    record.pop("eval_seconds")
+    assert record == expected and record["eval_sequences"] == COUNT
