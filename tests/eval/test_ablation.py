@@ -29,7 +29,7 @@ def test_ablation_runs_three_variants_and_reports_deltas(tmp_path, launch_env, s
     out, cache = tmp_path / "ablation", tmp_path / "hf-cache"
     encoder = sentence_transformers_folder(hub_snapshot(cache, "org/tiny-bert"))
     env = {**launch_env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--tasks", "rte,sst2", "--robustness",
+    proc = subprocess.run([sys.executable, "-m", "truneg.cli", "ablation", "--tasks", "sst2", "--robustness",
                            "sst2", "--init-from", "org/tiny-bert", "--new-head", "--variants", "baseline,HC,SR",
                            "--steps", "6", "--train-data", str(small_corpus), "--seq-len", "64", "--micro-batch-size",
                            "4",
@@ -42,7 +42,7 @@ def test_ablation_runs_three_variants_and_reports_deltas(tmp_path, launch_env, s
     report = json.loads((out / "ablation.json").read_text())
     assert "| SR | 1 |" in (out / "report" / "glue.md").read_text()  # the report, at the end
     assert list(report["scores"]) == ["baseline", "HC", "SR"]
-    assert all(0 <= s["rte"] <= 100 for s in report["scores"].values())
+    assert all(0 <= s["sst2"] <= 100 for s in report["scores"].values())
     assert report["preset"] == "auto" and (out / "report" / "glue_paired.md").is_file()
     # SwapSynWordNet on SST-2 dev for each variant's seed, in the record, the table and the report
     robust = json.loads((out / "HC" / "robustness" / "sst2" / "robustness.json").read_text())
@@ -54,7 +54,7 @@ def test_ablation_runs_three_variants_and_reports_deltas(tmp_path, launch_env, s
     table = (out / "ablation.txt").read_text()
     assert "Δ avg" in table
     deltas = [float(line.split()[1]) for line in table.splitlines() if line.startswith("  Δ")]
-    scores = {v: s["rte"] for v, s in report["scores"].items()}
+    scores = {v: s["sst2"] for v, s in report["scores"].items()}
     assert deltas == [pytest.approx(scores[v] - scores["baseline"], abs=0.006) for v in ("HC", "SR")]
     # the export of a --new-head run is a whole BertForMaskedLM: the encoder continued, the head trained, the
     # encoder's pooler carried bitwise (GLUE starts from it)
@@ -86,10 +86,10 @@ def test_ablation_runs_three_variants_and_reports_deltas(tmp_path, launch_env, s
     if first["HC"]["hc_corrected"] == 0:
         assert first["HC"]["mlm_loss"] == pytest.approx(first["baseline"]["mlm_loss"], rel=1e-6)
     for variant in report["scores"]:
-        results = json.loads((out / variant.replace("+", "_") / "glue" / "rte" / "results.json").read_text())
-        assert results["train_samples"] == 64 and results["eval_samples"] == 277
-        # the report's score is that fine-tuning's RTE accuracy, in percent
-        assert report["scores"][variant]["rte"] == pytest.approx(100 * results["accuracy"], abs=1e-9)
+        results = json.loads((out / variant.replace("+", "_") / "glue" / "sst2" / "results.json").read_text())
+        assert results["train_samples"] == 64 and results["eval_samples"] == 872
+        # the report's score is that fine-tuning's SST-2 accuracy, in percent
+        assert report["scores"][variant]["sst2"] == pytest.approx(100 * results["accuracy"], abs=1e-9)
 
 
 def test_a_variant_cut_short_is_pre_trained_on_and_mrpc_scores_by_accuracy(tmp_path, monkeypatch):

@@ -197,6 +197,7 @@ def test_a_starts_first_interval_is_marked_and_left_out_of_the_throughput_curves
 
     events = []
     engine = SimpleNamespace(global_samples=0, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=0,
+                             bfloat16_enabled=lambda: False, zero_optimization_stage=lambda: 1,
                              monitor=SimpleNamespace(write_events=events.extend), device=torch.device("cpu"),
                              module=build_pretrainer("bert-tiny", ObjectiveConfig()),
                              optimizer=SimpleNamespace(_global_grad_norm=1.5), get_global_grad_norm=lambda: 1.5)
