@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
-import textwrap
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from truneg.eval.figures import save_with_footer
 from truneg.train.heldout import EVAL_PREFIX, is_eval_record
 
 # the curves drawn, where a run has them: (key, axis label)
@@ -59,7 +59,5 @@ def write_eval(runs: dict[str, list[dict]], out: Path, footer: str) -> list[Path
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    figure.text(0.01, 0.01, textwrap.fill(footer, 180), fontsize=5)
-    figure.tight_layout(rect=(0, 0.06, 1, 1))
-    figure.savefig(out / "eval_curves.png", dpi=120)
+    save_with_footer(figure, footer, out / "eval_curves.png")
     return [out / "eval.csv", out / "eval_curves.png"]

@@ -18,13 +18,13 @@ import datetime
 import json
 import math
 import statistics
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
 from truneg.errors import UserError
+from truneg.eval.figures import save_with_footer
 from truneg.eval.live_report import fn_stats_rows, live_evaluations, write_eval
 from truneg.eval.paired import gather_robustness, write_glue_paired, write_robustness
 from truneg.eval.variants import AVERAGED, BASELINE, GLUE_COLUMNS, VARIANTS, variant_of_folder
@@ -201,9 +201,7 @@ def write_glue(columns: list[str], rows: list[dict], out: Path, footer: str, bas
     ax.set_xticks(range(len(others)), [r["variant"] for r in others])
     ax.set_ylabel(f"Δ average GLUE dev vs {baseline} (points)")
     ax.set_title("Each variant's change, median over seeds (bars: std over seeds)")
-    figure.text(0.01, 0.01, textwrap.fill(footer, 150), fontsize=5)
-    figure.tight_layout(rect=(0, 0.05, 1, 1))
-    figure.savefig(out / "glue_deltas.png", dpi=120)
+    save_with_footer(figure, footer, out / "glue_deltas.png", width=150, margin=0.05)
     return [out / "glue.md", out / "glue.csv", out / "glue_deltas.png"]
 
 
@@ -256,9 +254,7 @@ def write_fn(rows: list[dict], out: Path, footer: str) -> list[Path]:
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    figure.text(0.01, 0.01, textwrap.fill(footer, 180), fontsize=5)
-    figure.tight_layout(rect=(0, 0.06, 1, 1))
-    figure.savefig(out / "false_negatives.png", dpi=120)
+    save_with_footer(figure, footer, out / "false_negatives.png")
     return [out / "false_negatives.md", out / "false_negatives.csv", out / "false_negatives.png"]
 
 
