@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The held-out evaluation on one GPU (--eval-data): bf16 at ZeRO-1 and ZeRO-3 and with --compile layers, its host
-# syncs, and `truneg eval` offline (fp32) against the bf16 in-run records. Run where bench/gpu_check.sh runs:
+# The held-out evaluation on one GPU (--eval-data): bf16 at ZeRO-1 and ZeRO-3, with --compile layers and whole, fp16
+# at ZeRO-2, its host syncs, and `truneg eval` offline (fp32) against the bf16 and fp16 in-run records. Run where bench/gpu_check.sh runs:
 #   OUT=DIR WHEELS=.cache/gpu_wheels_h200 bash bench/gpu_eval.sh        # summary: DIR/gpu_eval.txt
-# The configs are the shipped bf16 recipes with torch's AdamW (no JIT build), tiny models, seq 128.
+# The configs are the shipped bf16 and fp16 recipes with torch's AdamW (no JIT build), tiny models, seq 128.
 set -u
 OUT=${OUT:-runs/gpu_eval}
 WHEELS=${WHEELS:-.cache/gpu_wheels}
@@ -23,7 +23,8 @@ import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
 cpu = json.loads(Path("ds_configs/cpu_zero2.json").read_text())
-for name, source in (("bf16_zero1", "electra_small_a100_bf16_zero1.json"), ("bf16_zero3", "electra_base_a100_bf16_zero3.json")):
+for name, source in (("bf16_zero1", "electra_small_a100_bf16_zero1.json"), ("bf16_zero3", "electra_base_a100_bf16_zero3.json"),
+                     ("fp16_zero2", "electra_small_v100_fp16_zero2.json")):
     config = json.loads((Path("ds_configs") / source).read_text())
     config.update(optimizer=cpu["optimizer"], scheduler=cpu["scheduler"])  # torch's AdamW: no JIT build
     (work / f"{name}.json").write_text(json.dumps(config))
@@ -44,8 +45,10 @@ run() {  # run NAME MODEL CONFIG [flags]
 run electra_zero1 electra-tiny bf16_zero1
 run bert_zero3 bert-tiny bf16_zero3
 run bert_compile bert-tiny bf16_zero1 --compile layers
-# offline, fp32, against the bf16 records of step 20
-for name in electra_zero1 bert_zero3; do
+run bert_whole bert-tiny bf16_zero1 --compile whole
+run electra_fp16 electra-tiny fp16_zero2
+# offline, fp32, against the bf16 and fp16 records of step 20
+for name in electra_zero1 bert_zero3 electra_fp16; do
   timeout 120 "$PY" -m truneg.cli eval "$OUT/$name/checkpoints/global_step20" --data "$WORK/held_out.txt" \
     --seq-len 128 --eval-max-sequences 256 --out "$OUT/$name.offline.json" >> "$LOG" 2>&1
   "$PY" - "$OUT/$name" <<'EOF' | tee -a "$SUMMARY"
@@ -56,7 +59,7 @@ live = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() 
 offline = json.loads(run.with_name(run.name + ".offline.json").read_text())[0]
 diffs = {k: abs(offline[k] - live[k]) / max(abs(live[k]), 1e-12) for k in live if k.startswith("eval_") and
          k != "eval_seconds" and isinstance(live[k], float)}
-print(f"{run.name}: offline fp32 vs in-run bf16, relative: " + ", ".join(f"{k[5:]} {v:.2e}" for k, v in diffs.items()))
+print(f"{run.name}: offline fp32 vs in-run, relative: " + ", ".join(f"{k[5:]} {v:.2e}" for k, v in diffs.items()))
 EOF
 done
 # host syncs: the eval's batches under torch.cuda's sync debug mode (an implicit sync raises)

@@ -125,6 +125,10 @@ def test_resume_on_another_world_size_two_to_one_and_back(runs, tmp_path, launch
     assert "written by 2 ranks; loading its universal form on 1" in one.stdout
     assert f"resumed from {out / 'checkpoints'} at step 8" in one.stdout
     close_losses(read_metrics(out), reference, 8)
+    # metrics.jsonl holds no evaluation of step 8, which was due: the resume evaluates the 2-rank weights on 1 rank
+    evals = comparable(read_metrics(out, "eval"))
+    assert [r["step"] for r in evals] == [8, 16, 24]
+    assert evals[0] == comparable([r for r in read_metrics(reference_dir, "eval") if r["step"] == 8])[0]
     assert [r["step"] for r in read_metrics(out)] == list(range(9, MAX_STEPS + 1))
     # global_step24 written again, by 1 rank: none of the 2-rank save's shards is left to mix with it
     assert len(list((out / "checkpoints" / "global_step24").glob("*optim_states.pt"))) == 1
@@ -133,13 +137,15 @@ def test_resume_on_another_world_size_two_to_one_and_back(runs, tmp_path, launch
     # (the 1-rank leg's records after step 16 are dropped, so that what is checked below was written again)
     (out / "checkpoints" / "latest").write_text("global_step16")
     metrics = out / "metrics.jsonl"
+    # (and its evaluation of step 16, which the 2-rank resume then makes of the same 1-rank weights)
     metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)
-                               if json.loads(line)["step"] <= 16))
+                               if json.loads(line)["step"] < 16 or json.loads(line)["step"] == 16 and "loss" in line))
     two = run(deepspeed_cmd(*args, port=free_port()), launch_env)
     assert "written by 1 ranks; loading its universal form on 2" in two.stdout
     assert f"resumed from {out / 'checkpoints'} at step 16" in two.stdout
     assert [r["step"] for r in read_metrics(out)] == list(range(9, MAX_STEPS + 1))
     close_losses(read_metrics(out), reference, 16)
+    assert comparable(read_metrics(out, "eval"))[1] == evals[1] and evals[1]["eval_masked"] > 0
 
 
 def test_a_zero_0_checkpoint_resumes_on_another_world_size_directly_and_exports(runs, tmp_path, launch_env,

@@ -128,7 +128,8 @@ def test_fn_stats_and_fn_cases_on_a_trained_run(runs, tmp_path, small_corpus, fr
     live = {r["step"]: r for r in comparable(read_metrics(run_dir, "eval"))}
     for row in rows[:2]:
         record = live[int(row["step"])]
-        assert (record["eval_sequences"], record["eval_masked"]) == (int(row["sequences"]), int(row["masked"]))
+        assert [record[f"eval_{k}"] for k in ("sequences", "masked", "mismatched")] == [
+            int(row[k]) for k in ("sequences", "masked", "mismatched")]
         assert record["eval_hc_iter_ratio"] == float(row["iter_ratio"])
         assert record["eval_hc_pred_ratio"] == float(row["pred_ratio"])
         assert record["eval_mlm_accuracy"] == float(row["mlm_accuracy"])
@@ -308,7 +309,7 @@ def test_fn_stats_reads_with_the_checkpoints_own_tokenizer(tmp_path):
     bert-base-uncased's only where none was saved; two vocabularies at once are refused."""
     from truneg.data.blocks import load_tokenizer
     from truneg.errors import UserError
-    from truneg.eval.false_negatives import CheckpointRef, checkpoints_tokenizer
+    from truneg.eval.checkpoints import CheckpointRef, checkpoints_tokenizer
 
     base = load_tokenizer()
     vocab = (REPO / "truneg" / "assets" / "vocab" / "vocab.txt").read_text().splitlines()

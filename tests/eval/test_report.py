@@ -140,16 +140,17 @@ def test_a_nan_score_is_missing_not_a_number(tmp_path):
     assert table[2].startswith("| baseline | 2 | – | 60.00 ± 14.14 | – |") and "nan" not in "".join(table).lower()
 
 
-def test_live_evaluations_draw_their_curves_and_table_2_for_runs_without_fn_stats(tmp_path):
+def test_live_evaluations_draw_their_curves_and_table_2_for_runs_without_fn_stats(tmp_path, capsys):
     """Two pre-training runs' metrics.jsonl (training records and their evaluations' records, a line a kill cut
     short): eval.csv and eval_curves.png per run, and Table 2 from the live records of the run without fn_stats.json
-    (the other's fn_stats.json wins)."""
+    (the other's fn_stats.json wins). The prediction ratio is defined where predictions mismatched."""
     import matplotlib.image
 
     def evaluation(step, accuracy, pred_ratio):
         return {"step": step, "samples": 8 * step, "eval_mlm_loss": 10 - step / 8, "eval_mlm_accuracy": accuracy,
                 "eval_perplexity": 2.0, "eval_hc_iter_ratio": 0.5 * pred_ratio, "eval_hc_pred_ratio": pred_ratio,
-                "eval_sequences": 96, "eval_masked": 800, "eval_seconds": 0.3}
+                "eval_sequences": 96, "eval_masked": 800, "eval_mismatched": 0 if step == 8 else 700,
+                "eval_seconds": 0.3}
 
     for run, scale in (("base", 1.0), ("hc", 0.5)):
         lines = [evaluation(0, 0.0, 0.01 * scale)]
@@ -170,6 +171,12 @@ def test_live_evaluations_draw_their_curves_and_table_2_for_runs_without_fn_stat
     assert matplotlib.image.imread(out / "eval_curves.png").shape[1] > 600
     table = list(csv.DictReader(open(out / "false_negatives.csv", encoding="utf-8")))
     assert [(r["run"], r["checkpoint"], r["step"], r["pred_pct"]) for r in table] == [
-        ("baseline", "live", "0", "1.0000"), ("baseline", "live", "8", "2.0000"), ("baseline", "live", "16", "2.0000"),
+        ("baseline", "live", "0", "1.0000"), ("baseline", "live", "8", ""),  # no mismatch at step 8: no ratio
+        ("baseline", "live", "16", "2.0000"),
         ("HC", "global_step16", "16", "20.0000")]
     assert table[2]["mlm_accuracy_pct"] == "16.0000" and table[2]["progress_pct"] == "100.0000"
+    # two runs' evaluations under one name: one line, exit 2, nothing written
+    with pytest.raises(SystemExit) as exited:
+        main(["report", f"HC={tmp_path / 'base'}", f"HC={tmp_path / 'hc'}", "--out", str(tmp_path / "twice")])
+    assert exited.value.code == 2 and not (tmp_path / "twice").exists()
+    assert "a second run's evaluations for HC" in capsys.readouterr().err

@@ -263,8 +263,9 @@ def test_range_checks_share_one_wording_and_refuse_what_is_not_finite():
             parse(text)
 
 
-def test_pretrain_refuses_bad_profile_and_peak_flags_before_any_process_group(tmp_path, capsys):
-    """--profile-steps malformed or past --max-steps, --profile-ranks malformed or alone, a --peak-tflops that is no
+def test_pretrain_refuses_bad_profile_and_peak_flags_before_any_process_group(tmp_path, capsys, monkeypatch):
+    """--profile-steps malformed or past --max-steps, --profile-ranks malformed, alone or beyond the launch's world
+    size (here 1), a --peak-tflops that is no
     peak: one line and exit 2 from pretrain.py's first stage (shared with `truneg preflight`), nothing written."""
     import subprocess
 
@@ -273,6 +274,7 @@ def test_pretrain_refuses_bad_profile_and_peak_flags_before_any_process_group(tm
     from truneg.errors import exit_on_user_error
     from truneg.train.build import checked_start
 
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     base = ["--model", "bert-tiny", "--max-steps", "10", "--output-dir", str(tmp_path / "out")]
     cases = [(["--profile-steps", "5"], "--profile-steps takes A:B, optimizer steps with 1 <= A <= B (e.g. 10:12), "
                                         "not '5'"),
@@ -281,6 +283,8 @@ def test_pretrain_refuses_bad_profile_and_peak_flags_before_any_process_group(tm
              (["--profile-steps", "1:2", "--profile-ranks", "0,a"], "--profile-ranks takes global ranks separated by "
                                                                     "commas (e.g. 0,3), not '0,a'"),
              (["--profile-ranks", "0"], "--profile-ranks chooses the ranks --profile-steps profiles"),
+             (["--profile-steps", "1:2", "--profile-ranks", "0,1"], "--profile-ranks 0,1 names a rank beyond this "
+                                                                    "launch's 1 (global ranks 0 to 0)"),
              (["--peak-tflops", "0"], "--peak-tflops must be a finite number > 0, not 0.0"),
              (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0, not nan")]
     for extra, expected in cases:

@@ -9,6 +9,7 @@ import gc
 import gzip
 import json
 import math
+import mmap
 import os
 import re
 import sys
@@ -129,15 +130,17 @@ def test_the_rss_peak_is_reset_each_interval_and_the_input_wait_is_timed():
 
     # The peak is checked against the resident memory of the moment, so that memory an earlier test's objects free
     # meanwhile cannot hide the block; the collector is held off too. (The kernel batches its RSS counters: slack.)
+    # The block is its own anonymous mapping: malloc could serve it from memory a grown worker already holds.
     slack = 8 * 2**20
     gc.collect()
     gc.disable()
     try:
         reset_peak_rss()
         assert peak_rss_bytes() < resident() + slack
-        block = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
+        block = mmap.mmap(-1, 200 * 2**20)
+        np.frombuffer(block, dtype=np.uint8)[:] = 1  # 200 MiB, touched
         with_block, high = resident(), peak_rss_bytes()
-        del block
+        block.close()
         assert high > with_block - slack and resident() < with_block - 190 * 2**20
         assert peak_rss_bytes() > high - slack  # the peak outlives the memory
         reset_peak_rss()
@@ -229,7 +232,8 @@ def test_profile_flags_and_the_profilers_window(tmp_path, capsys):
         assert words in problem, problem
 
     x = torch.randn(64, 64)
-    for rank, ranks in ((0, None), (1, (0,))):  # rank 1 is not among --profile-ranks 0
+    # rank 1 is not among --profile-ranks 0; rank 2 is the first of --profile-ranks 2,3, and prints their table
+    for rank, ranks in ((0, None), (1, (0,)), (2, (2, 3))):
         with StepProfiler((2, 3), ranks, rank, tmp_path / f"rank{rank}", torch.device("cpu")) as profiler:
             for step in range(1, 6):
                 with profiler.step(step):
@@ -243,4 +247,5 @@ def test_profile_flags_and_the_profilers_window(tmp_path, capsys):
     # every rank, profiled or not, gives the window's last step and the next the watchdog's long limit (traces written)
     assert [s for s in range(1, 6) if profiler.writes_during(s)] == [3, 4]
     out = capsys.readouterr().out
-    assert f"truneg: profiled steps 2-3 into {trace.parent}" in out and "aten::mm" in out
+    assert f"truneg: profiled steps 2-3 into {trace.parent} (rank 0's" in out and "aten::mm" in out
+    assert f"truneg: profiled steps 2-3 into {tmp_path / 'rank2' / 'step2-3'} (rank 2's" in out

@@ -75,7 +75,7 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs, tmp_path, small_corpu
                                               "eval_mlm_sampled_accuracy", "eval_disc_loss", "eval_disc_auc",
                                               "eval_disc_accuracy", "eval_disc_precision", "eval_disc_recall",
                                               "eval_hc_iter_ratio", "eval_hc_pred_ratio", "eval_sequences",
-                                              "eval_masked", "eval_seconds"}, r
+                                              "eval_masked", "eval_mismatched", "eval_seconds"}, r
         assert r["eval_sequences"] == EVAL_SEQUENCES and 0 <= r["eval_disc_auc"] <= 1 and r["eval_seconds"] > 0
     assert evals[-1]["eval_mlm_loss"] < evals[0]["eval_mlm_loss"] and evals[-1]["eval_disc_auc"] > 0.5
     auc = events.Scalars("Eval/disc_auc")

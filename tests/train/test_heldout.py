@@ -3,6 +3,7 @@ masked inputs, scikit-learn's metrics), its sharding over ranks, and the model's
 test_engine, test_reliability, test_analysis.)"""
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -148,6 +149,25 @@ def test_two_ranks_shares_add_up_to_one_ranks_bitwise_and_the_model_is_left_trai
     assert not model.training  # the mode it was in
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_model_evaluates_as_its_fp32_self_within_rounding(dtype, blocks, tokenizer):
+    """The weights as DeepSpeed's fp16 and bf16 engines hold them (the module cast; fp16's engine runs on GPUs
+    only): every figure finite and near the fp32 model's (the losses and counts summed in float64 either way),
+    its Table 2 counted alike."""
+    for preset in ("bert-tiny", "electra-tiny"):
+        torch.manual_seed(5)
+        model = models.build_pretrainer(preset, models.ObjectiveConfig())
+        if preset == "bert-tiny":
+            frequent_word_bias(model.mlm, tokenizer)
+        heldout = HeldOut(blocks, tokenizer, model.scheme, COUNT, MICRO, wordnet_table(tokenizer))
+        full, half = heldout.evaluate(model), heldout.evaluate(copy.deepcopy(model).to(dtype))
+        assert full.keys() == half.keys() and all(math.isfinite(v) for v in half.values())
+        for key, value in full.items():
+            tolerance = 2e-3 * abs(value) if "loss" in key or "perplexity" in key else 0.02
+            assert abs(half[key] - value) <= tolerance, (preset, key, half[key], value)
+        assert (half["eval_sequences"], half["eval_masked"]) == (full["eval_sequences"], full["eval_masked"])
+
+
 def test_sampling_follows_the_softmax():
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).expand(20000, 3)
     uniforms = torch.from_numpy(np.random.default_rng(0).random(20000).astype(np.float32))
@@ -188,9 +208,33 @@ def test_the_eval_runs_the_layers_compile_adds_its_graphs_to_the_summary_and_lea
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_the_eval_under_the_whole_compile_runs_eager_and_adds_no_graph(blocks, tokenizer):
+    """--compile whole (DeepSpeed's engine.compile: the pre-trainer's forward compiled in place, as
+    nn.Module.compile does): the eval calls the encoders and heads, not that forward, so it runs them eager, with
+    the eager figures bitwise and no graph of its own; training's graph is left alone."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(3)
+    eager = models.build_pretrainer("bert-tiny", models.ObjectiveConfig())
+    compiled = models.build_pretrainer("bert-tiny", models.ObjectiveConfig())
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.compile(backend="eager", dynamic=False)  # engine.compile(compile_kwargs={"dynamic": False})
+    batch = mask_tokens(blocks[:MICRO], tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
+                        compiled.scheme, 0, 0, np.arange(MICRO), default_max_predictions(SEQ_LEN))
+    compiled(**batch)[0].backward()
+    trained_graphs = counters["stats"]["unique_graphs"]
+    heldout = HeldOut(blocks, tokenizer, compiled.scheme, 8, MICRO, None)
+    assert trained_graphs >= 1 and heldout.evaluate(compiled) == heldout.evaluate(eager)
+    compiled(**batch)[0].backward()
+    assert counters["stats"]["unique_graphs"] == trained_graphs and not sum(counters["graph_break"].values())
+
+
 def test_truneg_eval_takes_an_electra_pair_of_hub_names_as_init_generator_does(tmp_path, offline_hub, monkeypatch):
     """`truneg eval DISCRIMINATOR GENERATOR`: two hub names (an offline HF cache), tied into one model as a run
-    continuing them would be, and its figures those of the model they were saved from."""
+    continuing them would be, and its figures those of the model they were saved from; `fn-stats` of the
+    generator's name counts the same false negatives."""
     from truneg.data.blocks import open_training_blocks
 
     monkeypatch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))
@@ -210,3 +254,11 @@ def test_truneg_eval_takes_an_electra_pair_of_hub_names_as_init_generator_does(t
     assert (record.pop("checkpoint"), record.pop("step")) == ("org/tiny-discriminator", -1)
     record.pop("eval_seconds")
     assert record == expected and record["eval_sequences"] == COUNT
+    # fn-stats finds the generator's hub name as `truneg eval` does: the same Table 2 of its samples
+    proc = cli_in_process("fn-stats", "--checkpoints", "org/tiny-generator", "--data", str(text), "--seq-len",
+                          str(SEQ_LEN), "--max-sequences", str(COUNT), "--out", str(tmp_path / "fn"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = json.loads((tmp_path / "fn" / "fn_stats.json").read_text())
+    assert (row["checkpoint"], row["sequences"], row["mismatched"]) == ("org/tiny-generator", COUNT,
+                                                                        record["eval_mismatched"])
+    assert (row["iter_ratio"], row["pred_ratio"]) == (record["eval_hc_iter_ratio"], record["eval_hc_pred_ratio"])

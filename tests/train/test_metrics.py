@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.tensorboard import SummaryWriter
 
 from truneg.train.metrics import MetricsLogger
 
@@ -215,3 +216,29 @@ def test_a_starts_first_interval_is_marked_and_left_out_of_the_throughput_curves
     throughput = {f"Train/Samples/{k}" for k in THROUGHPUT_KEYS if k != "mfu"}
     assert {"Train/Samples/loss", "Train/Samples/grad_norm", "Train/Samples/memory_max_rss_gib"} <= tags[8]
     assert not throughput & tags[8] and throughput <= tags[16] and "Train/Samples/warmup" not in tags[8]
+
+
+def test_a_relaunch_before_the_first_save_writes_its_step_0_evaluation_once(tmp_path):
+    """A run killed before its first checkpoint starts over: its step-0 evaluation, written again at 0 samples,
+    replaces the killed run's in tensorboard and metrics.jsonl rather than doubling it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def relaunch(steps: int, samples: int) -> None:
+        writer = SummaryWriter(log_dir=str(tmp_path / "tb"))
+        engine = SimpleNamespace(monitor=SimpleNamespace(tb_monitor=SimpleNamespace(summary_writer=writer),
+                                                         write_events=lambda events: [
+                                                             writer.add_scalar(*event) for event in events]))
+        metrics = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=8, rank=0)
+        metrics.drop_after(steps, samples)
+        metrics.write_eval({"step": 0, "samples": 0, "eval_mlm_loss": 5.0, "eval_seconds": 0.1})
+        for at in (8, 16, 24):
+            engine.monitor.write_events([("Train/Samples/loss", 1.0 / at, at)])
+        engine.monitor.tb_monitor.summary_writer.close()
+
+    relaunch(0, 0)
+    relaunch(0, 0)  # killed before its first save: started over
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("Eval/mlm_loss")] == [0]
+    assert [e.step for e in events.Scalars("Train/Samples/loss")] == [8, 16, 24]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0]

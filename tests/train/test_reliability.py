@@ -18,6 +18,7 @@ import torch
 from conftest import (
     MAX_STEPS,
     REPO,
+    SAVE_STEPS,
     cli_in_process,
     comparable,
     deepspeed_cmd,
@@ -384,10 +385,12 @@ def test_keep_checkpoints_counts_complete_ones_only(tmp_path):
 
 def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, launch_env, small_corpus):
     """SIGTERM, then SIGINT on the resumed run (what schedulers and Ctrl-C send), then a run to the end: one
-    chain of launches, each stop checkpointed at the next step and the whole equal to the uninterrupted run."""
+    chain of launches, each stop checkpointed at the next step and the whole equal to the uninterrupted run. It
+    evaluates at every step, so each stop lands on an eval step: the stop saves without it, the resume evaluates
+    it, and every step has one evaluation, equal to the uninterrupted run's where that has one."""
     reference_dir, _ = runs("bert-zero2")
     out = tmp_path / "preempted"
-    args = train_args("bert-zero2", out, small_corpus, evaluate=False)  # the reference evaluates: the same training
+    args = [*train_args("bert-zero2", out, small_corpus), "--eval-steps", "1"]
     stopped_at = 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         started_at = stopped_at
@@ -408,7 +411,9 @@ def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, l
     last = run(deepspeed_cmd(*args, port=free_port()), launch_env)
     assert f"at step {stopped_at}" in last.stdout
     assert comparable(read_metrics(out)) == comparable(read_metrics(reference_dir))
-    assert read_metrics(out, "eval") == [] and len(read_metrics(reference_dir, "eval")) == 4
+    evals, reference_evals = comparable(read_metrics(out, "eval")), comparable(read_metrics(reference_dir, "eval"))
+    assert [r["step"] for r in evals] == list(range(MAX_STEPS + 1))
+    assert [r for r in evals if r["step"] % SAVE_STEPS == 0] == reference_evals and len(reference_evals) == 4
 
 
 def tag_names(checkpoints: Path) -> set[str]:

@@ -112,11 +112,11 @@ def _common(parser) -> None:
 
 
 def _prepare(args, refs):
-    from truneg.data.blocks import load_tokenizer
-    from truneg.eval.false_negatives import checkpoints_tokenizer, open_sequences
+    from truneg.eval.checkpoints import checkpoints_tokenizer
+    from truneg.eval.false_negatives import open_sequences
     from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable
 
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else checkpoints_tokenizer(refs)
+    tokenizer = checkpoints_tokenizer(refs, args.tokenizer)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     table = SynonymTable.load(args.synonyms or SHIPPED_WORDNET_TABLE, expect_tokens=tokens)
     blocks = open_sequences(args.data, tokenizer, args.seq_len, args.segmentation)
@@ -124,13 +124,8 @@ def _prepare(args, refs):
 
 
 def _fn_stats(args) -> None:
-    from truneg.eval.false_negatives import (
-        discover_checkpoints,
-        evaluate,
-        format_table,
-        load_mlm,
-        write_stats,
-    )
+    from truneg.eval.checkpoints import discover_checkpoints, load_mlm
+    from truneg.eval.false_negatives import evaluate, format_table, write_stats
 
     refs = discover_checkpoints(args.checkpoints)
     tokenizer, _, lookup, blocks = _prepare(args, refs)
@@ -147,7 +142,8 @@ def _fn_stats(args) -> None:
 
 
 def _fn_cases(args) -> None:
-    from truneg.eval.false_negatives import discover_checkpoints, evaluate, load_mlm, write_cases
+    from truneg.eval.checkpoints import discover_checkpoints, load_mlm
+    from truneg.eval.false_negatives import evaluate, write_cases
 
     refs = discover_checkpoints([args.checkpoint])
     if len(refs) != 1:
@@ -193,12 +189,13 @@ def _add_eval(commands) -> None:
 def _add_analysis(commands) -> None:
     stats = commands.add_parser("fn-stats", help="false-negative ratios per checkpoint (paper Table 2)")
     stats.add_argument("--checkpoints", nargs="+", required=True,
-                       help="truneg checkpoints folders (every tag), tags, or exported HF MLM / generator folders")
+                       help="truneg checkpoints folders (every tag), tags, exported folders (BERT's MLM, ELECTRA's "
+                            "generator), or hub names")
     _common(stats)
     stats.set_defaults(func=_fn_stats)
     cases = commands.add_parser("fn-cases", help="dump corrected examples (paper Figure 3 / Table 1)")
     cases.add_argument("--checkpoint", required=True,
-                       help="a tag, a checkpoints folder (its newest tag) or an HF folder")
+                       help="a tag, a checkpoints folder (its newest tag), an exported folder or a hub name")
     cases.add_argument("-n", type=int_at_least(0), default=20, help="number of cases")
     _common(cases)
     cases.set_defaults(func=_fn_cases)

@@ -23,15 +23,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM
+from transformers import BertForMaskedLM, ElectraForMaskedLM
 
-from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer, open_training_blocks
+from truneg.data.blocks import open_training_blocks
 from truneg.data.corpus import is_hf, resolve_text_files
 from truneg.errors import UserError
-from truneg.model.presets import load_pretrained
 from truneg.model.pretrainers import BertPretrainer, ElectraPretrainer
-from truneg.train import checkpoint
-from truneg.train.export import load_parts, run_tokenizer_dir
 from truneg.train.heldout import masked_batch, masked_logits, mlm_sums, sample_with
 
 if TYPE_CHECKING:
@@ -147,74 +144,6 @@ def attention_mask_of(original: np.ndarray, pad_id: int) -> torch.Tensor | None:
     blocks: as a run's forward, which takes none)."""
     padded = original == pad_id
     return torch.from_numpy(~padded).long() if padded.any() else None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class CheckpointRef:
-    label: str
-    step: int
-    path: Path
-    kind: str  # "hf" (a from_pretrained folder) or "truneg" (a tag of a truneg checkpoints folder)
-
-
-def discover_checkpoints(paths: list[str | Path]) -> list[CheckpointRef]:
-    """Each PATH: a truneg checkpoints folder (all its tags), one tag, or an exported HF MLM/generator."""
-    found: list[CheckpointRef] = []
-    for raw in paths:
-        path = Path(raw)
-        if (path / "generator" / "config.json").is_file():
-            found.append(CheckpointRef(str(path), -1, path / "generator", "hf"))
-        elif (path / "config.json").is_file():
-            found.append(CheckpointRef(str(path), -1, path, "hf"))
-        else:
-            try:
-                folder, tag = checkpoint.resolve(path)
-            except UserError:
-                raise UserError(f"{path} is neither a truneg checkpoints folder, a tag in one, nor an HF model folder "
-                                "(config.json); pass one of those") from None
-            tags = [tag] if tag else checkpoint.complete_tags(folder)
-            if not tags:
-                raise UserError(f"{folder} holds no complete checkpoint (a save in progress or cut short has no "
-                                f"{checkpoint.META_FILE}); pass a tag, or wait for the run's first save")
-            found.extend(CheckpointRef(f"{folder}/{t}", checkpoint.step_of_tag(t), folder / t, "truneg") for t in tags)
-    return found
-
-
-def checkpoints_tokenizer(refs: list[CheckpointRef]) -> PreTrainedTokenizerBase:
-    """The tokenizer the checkpoints were trained with: the one saved beside a truneg tag's configs, or in an
-    exported folder; bert-base-uncased's where none is saved. Checkpoints of different vocabularies are refused:
-    their ratios would not be comparable, and one would read the other's token ids."""
-    chosen, vocab, first = None, None, None
-    for ref in refs:
-        folder = run_tokenizer_dir(ref.path.parent) if ref.kind == "truneg" else ref.path
-        if not ((folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file()):
-            folder = Path(DEFAULT_TOKENIZER)
-        tokenizer = load_tokenizer(folder)
-        if vocab is None:
-            chosen, vocab, first = tokenizer, tokenizer.get_vocab(), ref.label
-        elif tokenizer.get_vocab() != vocab:
-            raise UserError(f"{ref.label} was trained with another vocabulary than {first}; analyse them apart, "
-                            "or pass --tokenizer to read both with one")
-    return chosen if chosen is not None else load_tokenizer(DEFAULT_TOKENIZER)
-
-
-def load_mlm(ref: CheckpointRef) -> BertForMaskedLM | ElectraForMaskedLM:
-    """The masked LM of a checkpoint: BertForMaskedLM, or ELECTRA's generator (ElectraForMaskedLM)."""
-    if ref.kind == "truneg":
-        parts, _ = load_parts(ref.path)
-        return parts.get("mlm") or parts["generator"]
-    architectures = load_pretrained(AutoConfig, ref.path, "checkpoint").architectures or []
-    if "BertForMaskedLM" in architectures:
-        return load_pretrained(BertForMaskedLM, ref.path, "checkpoint")
-    if "ElectraForMaskedLM" in architectures:
-        return load_pretrained(ElectraForMaskedLM, ref.path, "checkpoint")
-    raise UserError(f"{ref.path} holds a {architectures or 'model'} without an MLM head; pass a BERT MLM or an ELECTRA "
-                    "generator")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def live_evaluations(path: Path) -> list[dict]:
 def fn_stats_rows(records: list[dict]) -> list[dict]:
     """fn_stats.json's rows of a run's live evaluations (the same counts: truneg.train.heldout)."""
     return [{"checkpoint": "live", "step": r["step"], "sequences": r.get("eval_sequences", 0),
-             "mismatched": r.get("eval_masked", 0),  # the prediction ratio is defined wherever positions were masked
+             "mismatched": r.get("eval_mismatched", 0),
              "iter_ratio": r["eval_hc_iter_ratio"], "pred_ratio": r["eval_hc_pred_ratio"],
              "mlm_accuracy": r["eval_mlm_accuracy"]} for r in records]
 

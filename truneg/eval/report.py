@@ -108,7 +108,11 @@ def gather(arguments: list[str]) -> Found:
             found.fn_runs[run] = rows
         for path in sorted(root.rglob("metrics.jsonl")):  # a pre-training run's, with --eval-data's records
             if records := live_evaluations(path):
-                found.eval_runs[_variant(path, root, name, folders, 0)] = records
+                run = _variant(path, root, name, folders, 0)
+                if run in found.eval_runs:
+                    raise UserError(f"{path}: a second run's evaluations for {run}; pass each run's folder as "
+                                    "NAME=DIR")
+                found.eval_runs[run] = records
     return found
 
 

@@ -79,6 +79,9 @@ def check_start(cfg: RunConfig, world_size: int) -> Start:
         distributed.refuse_stale_build_lock("deepspeed_shm_comm")  # gloo ranks load DeepSpeed's CPU comm op
     else:
         distributed.plain_cuda_arch_list()
+    if cfg.profile_ranks and cfg.profile_ranks[-1] >= world_size:
+        raise UserError(f"--profile-ranks {','.join(map(str, cfg.profile_ranks))} names a rank beyond this launch's "
+                        f"{world_size} (global ranks 0 to {world_size - 1}); name ranks below {world_size}")
     fresh = cfg.resume == "none" or cfg.overwrite
     resume = None if fresh else checkpoint.find_resume_point(cfg.resume, cfg.output_dir)
     ds_config = deepspeed_config(cfg, world_size, load_universal=bool(resume and resume.universal(world_size)))

@@ -35,6 +35,7 @@ from truneg.train.checkpoint import HF_CONFIG_DIR
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
     from truneg.train.run_config import RunConfig
@@ -198,6 +199,7 @@ def metrics_of(totals: dict[str, float], auc: float | None = None) -> dict[str, 
     out["eval_hc_pred_ratio"] = totals["corrected"] / max(totals["mismatched"], 1.0)
     out["eval_sequences"] = int(totals["sequences"])
     out["eval_masked"] = int(totals["masked"])
+    out["eval_mismatched"] = int(totals["mismatched"])  # the prediction ratio's denominator
     return out
 
 
@@ -209,9 +211,9 @@ def metrics_of(totals: dict[str, float], auc: float | None = None) -> dict[str, 
 class HeldOut:
     """The first `count` sequences of the eval blocks, masked once, this rank's share of them on the device."""
 
-    def __init__(self, blocks, tokenizer: PreTrainedTokenizerBase, scheme: str, count: int, micro_batch: int,
-                 table: SynonymTable | SynonymLookup | None, device: torch.device | str = "cpu", rank: int = 0,
-                 world_size: int = 1, seed: int = EVAL_SEED):
+    def __init__(self, blocks: PreparedBlocks | np.ndarray, tokenizer: PreTrainedTokenizerBase, scheme: str,
+                 count: int, micro_batch: int, table: SynonymTable | SynonymLookup | None,
+                 device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1, seed: int = EVAL_SEED):
         count = min(count, len(blocks))
         per_rank = -(-count // world_size)
         padded = -(-per_rank // micro_batch) * micro_batch
@@ -231,8 +233,8 @@ class HeldOut:
         self.every, self.last = 0, 0  # for_run's schedule
 
     @classmethod
-    def for_run(cls, cfg: RunConfig, engine, blocks, tokenizer: PreTrainedTokenizerBase,
-                table: SynonymTable | None) -> HeldOut:
+    def for_run(cls, cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
+                tokenizer: PreTrainedTokenizerBase, table: SynonymTable | None) -> HeldOut:
         """A run's evaluation: its micro-batch shape and rank, and its HC table (WordNet's for a run without HC)."""
         lookup = engine.module.hc_lookup if table is not None else wordnet_table(tokenizer)
         heldout = cls(blocks, tokenizer, engine.module.scheme, cfg.eval_max_sequences,
@@ -279,7 +281,8 @@ class HeldOut:
             return self._keys, sums, None
         return self._keys, sums, tuple(torch.cat([s[i] for s in scores]) for i in range(3))
 
-    def _batch(self, mlm, discriminator, batch) -> tuple[torch.Tensor, tuple | None]:
+    def _batch(self, mlm: torch.nn.Module, discriminator: torch.nn.Module | None,
+               batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple | None]:
         positions, valid = batch["masked_positions"], batch["masked_valid"]
         gold = batch["original_ids"].gather(1, positions)
         logits = masked_logits(mlm, batch["input_ids"], positions)
@@ -296,16 +299,11 @@ class HeldOut:
         self._keys = list(sums)
         return torch.stack(list(sums.values())), (disc_logits, labels, tokens)
 
-    def run(self, engine, step: int, metrics) -> dict:
-        """Evaluate the engine's model at `step`; rank 0 writes the record and says it in one line. Its time is
-        left out of the training throughput."""
+    def run(self, engine: DeepSpeedEngine, step: int) -> dict:
+        """The record of the engine's model at `step`, with the evaluation's time (a collective)."""
         started = time.perf_counter()
         record = {"step": step, "samples": int(engine.global_samples), **self.evaluate(engine.module)}
         record["eval_seconds"] = time.perf_counter() - started
-        metrics.write_eval(record)
-        metrics.interval_start += record["eval_seconds"]
-        if metrics.rank == 0:
-            print(console_line(record), flush=True)
         return record
 
 

@@ -89,10 +89,9 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
             metrics.load_state_dict(rank_state["metrics"])
         if rank == 0:
             print(f"truneg: resumed from {resume.checkpoint_dir} at step {step}", flush=True)
-    # Records a killed run wrote after its last checkpoint (or before its first, its step-0 evaluation too) are not
-    # history. A resume keeps the evaluation of its checkpoint's step (it ran before that save).
-    metrics.truncate_after(engine.global_steps or -1)
-    metrics.purge_monitors_after(int(engine.global_samples))
+    # What a killed run wrote after its last checkpoint is not history. A resume keeps the evaluation of its
+    # checkpoint's step (it ran before that save).
+    metrics.drop_after(engine.global_steps, int(engine.global_samples))
     batches = TimedBatches(MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed,
                                          cfg.max_predictions, cfg.data_workers, device=engine.device))
     metrics.efficiency = Efficiency.for_run(engine, batches, cfg.seq_len, cfg.max_predictions, cfg.peak_tflops, rank,
@@ -206,7 +205,7 @@ def _evaluate(state: TrainState, engine: DeepSpeedEngine, step: int, watchdog: S
     (the caller ends it, or the next phase replaces it)."""
     if watchdog is not None:
         watchdog.started(step, EVAL)
-    state.heldout.run(engine, step, state.metrics)
+    state.metrics.write_eval(state.heldout.run(engine, step))
 
 
 def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
@@ -220,11 +219,15 @@ def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
     diverge_at = replicas.injected_step()  # tests: rank 1 perturbs a weight after it (read on every rank)
     check_replicas = cfg.replica_check_steps > 0 and replicas.applies(engine)
-    if state.heldout is not None and engine.global_steps == 0:  # before the first update; a resume does not repeat it
-        _evaluate(state, engine, 0, watchdog)
+    start_step = engine.global_steps
+    # Step 0, before the first update. A resume evaluates its step only where that was due and has no record: a stop
+    # at an eval step saves without evaluating (a scheduler's grace is short).
+    if state.heldout is not None and (start_step == 0 or state.heldout.due(start_step)) \
+            and not state.metrics.has_evaluation(start_step):
+        _evaluate(state, engine, start_step, watchdog)
         if watchdog is not None:
             watchdog.ended()
-    started, start_step = time.perf_counter(), engine.global_steps
+    started = time.perf_counter()
     state.metrics.interval_start = started  # the throughput counts training, not the start-up or a resume's load
     step = start_step
     while step < cfg.max_steps:
@@ -262,7 +265,8 @@ def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog:
         # nor of diverged replicas: checked before every save too (a collective, under the step's limit)
         if check_replicas and (step % cfg.replica_check_steps == 0 or saving or stop_requested):
             replicas.check(engine, step, checkpoint.latest_tag(cfg.checkpoint_dir))
-        if state.heldout is not None and state.heldout.due(step) and not stop_requested:  # before the step's save
+        # before the step's save; a stop leaves it to the resume
+        if state.heldout is not None and state.heldout.due(step) and not stop_requested:
             _evaluate(state, engine, step, watchdog)
         if saving or stop_requested:
             if watchdog is not None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from truneg.train.efficiency import THROUGHPUT_KEYS
-from truneg.train.heldout import EVAL_PREFIX
+from truneg.train.heldout import EVAL_PREFIX, console_line, is_eval_record
 from truneg.train.run_config import METRICS
 
 if TYPE_CHECKING:
@@ -151,13 +151,32 @@ class MetricsLogger:
 
     def write_eval(self, record: dict) -> None:
         """A held-out evaluation's record (truneg.train.heldout), on rank 0: a line of its own in metrics.jsonl (no
-        `loss` key), and `Eval/...` events against the samples seen, beside DeepSpeed's `Train/Samples/*`."""
+        `loss` key), `Eval/...` events against the samples seen, beside DeepSpeed's `Train/Samples/*`, and one
+        console line. Its time is left out of the training throughput (every rank)."""
+        self.interval_start += record["eval_seconds"]
         if self.rank != 0:
             return
         self.engine.monitor.write_events([(f"Eval/{k.removeprefix(EVAL_PREFIX)}", v, record["samples"])
                                           for k, v in record.items() if k not in ("step", "samples")])
         with open(self.jsonl, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
+        print(console_line(record), flush=True)
+
+    def has_evaluation(self, step: int) -> bool:
+        """Whether metrics.jsonl holds an evaluation of `step` (rank 0 reads it; a collective: every rank learns)."""
+        found = False
+        if self.rank == 0 and self.jsonl.is_file():
+            found = any(_step_of(line) == step and is_eval_record(json.loads(line))
+                        for line in self.jsonl.read_text(encoding="utf-8").splitlines())
+        flag = torch.tensor([1.0 if found else 0.0], device=self.engine.device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
+    def drop_after(self, steps: int, samples: int) -> None:
+        """On a start from a checkpoint of `steps` and `samples` (0: none): drop the records and monitor events a
+        killed run wrote after it, or before its first save (its step-0 evaluation too), rather than double them."""
+        self.truncate_after(steps if steps else -1)
+        self.purge_monitors_after(samples if steps else -1)
 
     def truncate_after(self, step: int) -> None:
         """On resume from `step`: drop the records the interrupted run wrote after it (rank 0)."""

@@ -1,8 +1,8 @@
 """--profile-steps A:B: torch.profiler (CPU and, on GPUs, CUDA activities) over optimizer steps A to B inclusive,
 numbered as in metrics.jsonl, on the ranks of --profile-ranks (default: all). Each writes
 OUTPUT/profile/stepA-B/rankR.pt.trace.json.gz (Chrome trace format: TensorBoard's profiler plugin and Perfetto
-read it), and rank 0 prints its top operators by self time. The profiler only observes: a profiled run's losses
-are an unprofiled one's.
+read it), and the first profiled rank (rank 0 by default) prints its top operators by self time. The profiler only
+observes: a profiled run's losses are an unprofiled one's.
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class StepProfiler:
         self.span = window  # every rank's, profiled or not
         self.window = window if window is not None and (ranks is None or rank in ranks) else None
         self.rank, self.profile_dir, self.cuda = rank, profile_dir, device.type == "cuda"
+        self.prints = rank == (ranks[0] if ranks else 0)  # one table: the first profiled rank's
         self.prof: profile | None = None
         self.first = self.last = 0
 
@@ -105,8 +106,8 @@ class StepProfiler:
         folder.mkdir(parents=True, exist_ok=True)
         trace = folder / f"rank{self.rank}.pt.trace.json.gz"
         self.prof.export_chrome_trace(str(trace))  # gzipped for a .gz name
-        if self.rank == 0:
+        if self.prints:
             sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
             table = self.prof.key_averages().table(sort_by=sort_by, row_limit=TOP_OPERATORS)
-            print(f"truneg: profiled steps {self.first}-{self.last} into {folder} (rank 0's top operators by self "
-                  f"{'CUDA' if self.cuda else 'CPU'} time):\n{table}", flush=True)
+            print(f"truneg: profiled steps {self.first}-{self.last} into {folder} (rank {self.rank}'s top operators by "
+                  f"self {'CUDA' if self.cuda else 'CPU'} time):\n{table}", flush=True)

@@ -1,0 +1,126 @@
+"""The models an evaluation command names (`truneg eval`, `fn-stats`, `fn-cases`): found, read with their own
+tokenizer, and loaded whole (a pre-trainer) or as their masked LM.
+
+A PATH is a truneg checkpoint tag, a checkpoints folder (each complete tag), an exported folder (BERT's, or
+ELECTRA's `generator/` and `discriminator/`), or a model name of the HF hub; an ELECTRA pair on the hub takes the
+generator's name second, as --init-generator does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM
+
+from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
+from truneg.errors import UserError
+from truneg.model import hub
+from truneg.model.presets import load_pretrained
+from truneg.model.pretrainers import BertPretrainer, ElectraPretrainer, ObjectiveConfig, build_pretrainer
+from truneg.train import checkpoint
+from truneg.train.export import load_parts, run_tokenizer_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+PARTS = ("discriminator", "generator")  # an exported ELECTRA's folders
+
+
+@dataclass
+class CheckpointRef:
+    label: str
+    step: int  # -1: not a truneg tag
+    path: Path  # a truneg tag's folder, or an exported or hub folder
+    kind: str  # "truneg" (a tag; its tokenizer and HC table beside its configs) or "hf" (a from_pretrained folder)
+    generator: Path | None = None  # ELECTRA's generator named beside a hub discriminator
+
+
+def discover_checkpoints(paths: list[str | Path], generator: str | None = None) -> list[CheckpointRef]:
+    """The models the PATHs name, each checkpoints folder's tags oldest first."""
+    if generator is not None:
+        [path] = paths
+        return [CheckpointRef(str(path), -1, hub.locate(str(path), "PATH").path, "hf",
+                              hub.locate(generator, "GENERATOR").path)]
+    found: list[CheckpointRef] = []
+    for raw in paths:
+        path = Path(raw)
+        if any((folder / "config.json").is_file() for folder in (path, *(path / part for part in PARTS))):
+            found.append(CheckpointRef(str(raw), -1, path, "hf"))
+            continue
+        try:
+            folder, tag = checkpoint.resolve(path)
+        except UserError:
+            if path.exists() or not hub.is_hub_name(str(raw)):
+                raise UserError(f"{raw} is neither a truneg checkpoints folder, a tag in one, an exported folder "
+                                "(config.json), nor a model name of the HF hub; pass one of those") from None
+            found.append(CheckpointRef(str(raw), -1, hub.locate(str(raw), "PATH").path, "hf"))
+            continue
+        tags = [tag] if tag else checkpoint.complete_tags(folder)
+        if not tags:
+            raise UserError(f"{folder} holds no complete checkpoint (a save in progress or cut short has no "
+                            f"{checkpoint.META_FILE}); pass a tag, or wait for the run's first save")
+        found.extend(CheckpointRef(f"{folder}/{t}", checkpoint.step_of_tag(t), folder / t, "truneg") for t in tags)
+    return found
+
+
+def saved_tokenizer_dir(ref: CheckpointRef) -> Path | None:
+    """Where the checkpoint's tokenizer was saved: beside a truneg tag's configs, or in an exported or hub folder
+    (or its ELECTRA parts'); None where none was."""
+    if ref.kind == "truneg":
+        candidates = [run_tokenizer_dir(ref.path.parent)]
+    else:
+        candidates = [ref.path, *(ref.path / part for part in PARTS)]
+    return next((c for c in candidates if (c / "tokenizer.json").is_file() or (c / "vocab.txt").is_file()), None)
+
+
+def checkpoints_tokenizer(refs: list[CheckpointRef], given: str | None = None) -> PreTrainedTokenizerBase:
+    """`given` (--tokenizer), else the tokenizer the checkpoints were trained with; bert-base-uncased's where none
+    is saved. Checkpoints of different vocabularies are refused: their ratios would not be comparable, and one
+    would read the other's token ids."""
+    if given:
+        return load_tokenizer(given)
+    chosen, vocab, first = None, None, None
+    for ref in refs:
+        tokenizer = load_tokenizer(saved_tokenizer_dir(ref) or Path(DEFAULT_TOKENIZER))
+        if vocab is None:
+            chosen, vocab, first = tokenizer, tokenizer.get_vocab(), ref.label
+        elif tokenizer.get_vocab() != vocab:
+            raise UserError(f"{ref.label} was trained with another vocabulary than {first}; analyse them apart, "
+                            "or pass --tokenizer to read both with one")
+    return chosen if chosen is not None else load_tokenizer(DEFAULT_TOKENIZER)
+
+
+def load_pretrainer(ref: CheckpointRef) -> BertPretrainer | ElectraPretrainer:
+    """The whole model, as a run's evaluation sees it: BERT's MLM, or ELECTRA's generator and discriminator."""
+    if ref.kind == "hf":
+        return build_pretrainer(None, ObjectiveConfig(), ref.path, init_generator=ref.generator)
+    parts, _ = load_parts(ref.path)
+    if "mlm" in parts:
+        return BertPretrainer(parts["mlm"], ObjectiveConfig())
+    return ElectraPretrainer(parts["generator"], parts["discriminator"], ObjectiveConfig())
+
+
+def load_mlm(ref: CheckpointRef) -> BertForMaskedLM | ElectraForMaskedLM:
+    """The masked LM of a checkpoint: BertForMaskedLM, or ELECTRA's generator (ElectraForMaskedLM)."""
+    if ref.kind == "truneg":
+        parts, _ = load_parts(ref.path)
+        return parts.get("mlm") or parts["generator"]
+    folder = ref.generator or (ref.path / "generator" if (ref.path / "generator").is_dir() else ref.path)
+    architectures = load_pretrained(AutoConfig, folder, "checkpoint").architectures or []
+    if "BertForMaskedLM" in architectures:
+        return load_pretrained(BertForMaskedLM, folder, "checkpoint")
+    if "ElectraForMaskedLM" in architectures:
+        return load_pretrained(ElectraForMaskedLM, folder, "checkpoint")
+    raise UserError(f"{folder} holds a {architectures or 'model'} without an MLM head; pass a BERT MLM or an ELECTRA "
+                    "generator")
+
+
+def samples_of(ref: CheckpointRef) -> dict[str, int]:
+    """{"samples": the samples a truneg tag had trained on}, as its run's record says; {} for another model."""
+    states = ref.path / "mp_rank_00_model_states.pt"
+    if ref.kind != "truneg" or not states.is_file():
+        return {}
+    saved = torch.load(states, map_location="cpu", weights_only=False, mmap=True)  # DeepSpeed's own file: its pickle
+    return {"samples": int(saved["global_samples"])} if "global_samples" in saved else {}
