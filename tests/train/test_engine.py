@@ -82,14 +82,14 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs, tmp_path, small_corpu
     assert [(e.step, round(e.value, 6)) for e in auc] == [(r["samples"], round(r["eval_disc_auc"], 6)) for r in evals]
     line = next(x for x in proc.stdout.splitlines() if x.startswith(f"eval step {MAX_STEPS} "))
     assert f"disc_auc {evals[-1]['eval_disc_auc']:.4f}" in line, line
-    # `truneg eval` of the last tag in one process: the 2-rank run's record, exactly (CPU, fp32, ZeRO-2)
-    proc = cli_in_process("eval", str(out / "checkpoints" / f"global_step{MAX_STEPS}"), "--data", str(small_corpus),
-                          "--seq-len", "64", "--eval-max-sequences", str(EVAL_SEQUENCES), "--out",
-                          str(tmp_path / "eval.json"))
+    # `truneg eval` of the checkpoints folder (its two tags) in one process: the 2-rank run's records, exactly (CPU,
+    # fp32, ZeRO-2)
+    proc = cli_in_process("eval", str(out / "checkpoints"), "--data", str(small_corpus), "--seq-len", "64",
+                          "--eval-max-sequences", str(EVAL_SEQUENCES), "--out", str(tmp_path / "eval.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [offline] = json.loads((tmp_path / "eval.json").read_text())
-    assert offline.pop("checkpoint").endswith(f"global_step{MAX_STEPS}")
-    assert comparable([offline]) == comparable(evals[-1:])
+    offline = json.loads((tmp_path / "eval.json").read_text())
+    assert [r.pop("checkpoint").rsplit("/", 1)[-1] for r in offline] == ["global_step16", f"global_step{MAX_STEPS}"]
+    assert comparable(offline) == comparable(evals[-2:])
 
 
 def test_a_baseline_and_an_hc_run_from_the_same_weights_and_seed_evaluate_alike_at_step_0(runs):

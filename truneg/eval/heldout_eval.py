@@ -28,13 +28,13 @@ def evaluate_checkpoints(path: str, data: list[str], generator: str | None = Non
     refs = discover_checkpoints([path], generator)
     records = []
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # One PATH: one model, or the tags of one run, read with one tokenizer and counted with one table
+    tok = checkpoints_tokenizer(refs[:1], tokenizer)
+    if synonyms:
+        table = SynonymTable.load(synonyms, expect_tokens=tok.convert_ids_to_tokens(list(range(len(tok)))))
+    else:  # what the run's live ratios counted with
+        table = run_table(refs[0].path.parent, tok) if refs[0].kind == "truneg" else wordnet_table(tok)
     for ref in refs:
-        tok = checkpoints_tokenizer([ref], tokenizer)
-        tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
-        if synonyms:
-            table = SynonymTable.load(synonyms, expect_tokens=tokens)
-        else:  # what the run's live ratios counted with
-            table = run_table(ref.path.parent, tok) if ref.kind == "truneg" else wordnet_table(tok)
         model = load_pretrainer(ref).to(device)
         positions = (model.mlm if isinstance(model, BertPretrainer) else model.generator).config.max_position_embeddings
         if seq_len > positions:
