@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     engine = build.build_engine(cfg, model, start.ds_config)
     if rank == 0:
         save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer, resumed=start.resume is not None)
-        heldout.save_run_table(start.table, cfg.checkpoint_dir)
+        heldout.save_eval_table(cfg, start.tokenizer)
 
     # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states.
     state = loop.start_state(cfg, engine, blocks, start.tokenizer, start.resume, tag)
     if eval_blocks is not None:
-        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer, start.table)
+        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer)
 
     # 7. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.
     loop.train(cfg, engine, state)

@@ -57,6 +57,13 @@ def test_mlm_loss_with_correction_matches_reference(seed):
     # [B, P] slots: padding slots (keep False) count for nothing
     padded = mlm_loss(logits.reshape(3, 4, 50), gold.reshape(3, 4), (~corrected).reshape(3, 4))
     assert abs(padded.item() - sum(kept) / len(kept)) < 1e-6
+    # train_step's global masked count: the kept positions' sum over it, a corrected position weighing 0, with no
+    # gradient into its logits
+    leaf = logits.clone().requires_grad_()
+    over_global = mlm_loss(leaf, gold, ~corrected, torch.tensor(40.0))
+    assert abs(over_global.item() - sum(kept) / 40) < 1e-6
+    over_global.backward()
+    assert not leaf.grad[corrected].any() and leaf.grad[~corrected].abs().sum(-1).gt(0).all()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -103,6 +110,9 @@ def test_soft_regularization_leaves_out_a_zero_row():
     expected = soft_regularization(emb.detach(), gold[[0, 2]], pred[[0, 2]])
     assert torch.allclose(value, expected)
     assert emb.grad.to_dense().abs().max() < 10 and not emb.grad.to_dense()[0].any()
+    # over train_step's global masked count: the same two terms, summed over it (the zero row's weighs 0)
+    over_global = soft_regularization(emb.detach(), gold, pred, valid, torch.tensor(9.0))
+    assert torch.allclose(over_global, expected * 2 / 9)
 
 
 def test_sentence_regularization_matches_reference():
@@ -220,6 +230,37 @@ def test_baseline_path_is_the_plain_cross_entropy_up_to_float_rounding():
     # HF's own loss, with boolean indexing and an all-ones attention mask: equal up to float rounding
     assert torch.allclose(loss, F.cross_entropy(mlm.cls(hidden[masked]), labels[masked]), rtol=0, atol=1e-6)
     assert "sr_loss" not in stats and stats["corrected"].item() == 0
+
+
+@pytest.mark.parametrize("preset", ["bert-tiny", "electra-tiny"])
+def test_the_global_masked_count_divides_the_mlm_loss_and_word_sr(preset, table, lookup, monkeypatch):
+    """train_step's `masked_denominator` (the global batch's masked count): the MLM / generator cross-entropy over
+    the kept positions and word-level SR over the counted ones, each summed and divided by it; without it, means
+    over the micro-batch. The discriminator's loss (a mean over the micro-batch's tokens) is the same either way."""
+    torch.manual_seed(0)
+    objective = ObjectiveConfig(hc_lookup=lookup, hc_prediction="argmax", sr="word", sr_weight=2.0)
+    model = build_pretrainer(preset, objective, dropout=0.0).eval()
+    batch, labels = crafted_batch(table)
+    predicted = ["main", "run", "house", "sad"]  # two synonyms (corrected), one correct, one wrong
+    logits = forced_logits(table, predicted)
+    monkeypatch.setattr(model, "masked_logits", lambda *a: logits)
+    torch.manual_seed(5)
+    _, mean_stats = model(**batch)
+    torch.manual_seed(5)  # the same Gumbel noise: the same ELECTRA sample
+    loss, stats = model(**batch, masked_denominator=torch.tensor(10.0))
+
+    gold = labels[labels != -100]
+    kept_ce = F.cross_entropy(logits.reshape(4, -1)[[2, 3]].detach(), gold[[2, 3]], reduction="sum")
+    rows = model.word_embeddings.weight.detach()
+    one_minus_cos = 1 - F.cosine_similarity(rows[gold], rows[ids(table, *predicted)], dim=-1)
+    mlm = "mlm_loss" if preset.startswith("bert") else "gen_loss"
+    assert torch.allclose(stats[mlm], kept_ce / 10) and torch.allclose(mean_stats[mlm], kept_ce / 2)
+    assert torch.allclose(stats["sr_loss"], one_minus_cos.sum() / 10)
+    assert torch.allclose(mean_stats["sr_loss"], one_minus_cos.mean())
+    disc = 50 * stats["disc_loss"] if "disc_loss" in stats else 0.0
+    if "disc_loss" in stats:
+        assert torch.equal(stats["disc_loss"], mean_stats["disc_loss"])
+    assert torch.allclose(loss, stats[mlm] + disc + 2.0 * stats["sr_loss"])
 
 
 @pytest.mark.parametrize("preset", ["bert-tiny", "electra-tiny"])

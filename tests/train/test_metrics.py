@@ -242,3 +242,35 @@ def test_a_relaunch_before_the_first_save_writes_its_step_0_evaluation_once(tmp_
     assert [e.step for e in events.Scalars("Eval/mlm_loss")] == [0]
     assert [e.step for e in events.Scalars("Train/Samples/loss")] == [8, 16, 24]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0]
+
+
+def test_a_save_is_left_out_of_the_throughput_and_a_non_finite_figure_is_written_as_null(tmp_path, monkeypatch):
+    """Work between steps that is not training (a save, a replica check: loop.py runs them under `paused`) takes no
+    time of the interval, as an evaluation does, so samples/s (and the TFLOP/s, MFU and data-wait share made of the
+    same time) dips at no save. A figure that does not exist (samples/s of an interval of no time) is JSON's null,
+    which a strict parser reads, and is not drawn."""
+    now = [10.0]
+    monkeypatch.setattr("truneg.train.metrics.time.perf_counter", lambda: now[0])
+    events = []
+    engine = SimpleNamespace(global_samples=8, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=0,
+                             monitor=SimpleNamespace(write_events=events.extend))
+    metrics = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=128, rank=0)
+    stats = {k: torch.tensor(1.0) for k in ("masked", "mismatched", "corrected", "sequences", "sequences_corrected")}
+    metrics.add(stats, torch.tensor(2.0), torch.tensor(True), samples=8)
+    now[0] = 12.0  # 2 s of training
+    with metrics.paused():
+        now[0] = 50.0  # a 38 s save
+    now[0] = 51.0  # 1 s more
+    assert metrics.log(step=1)["samples_per_sec"] == 8 / 3.0
+    metrics.add(stats, torch.tensor(2.0), torch.tensor(True), samples=8)
+    assert math.isnan(metrics.log(step=2)["samples_per_sec"])  # no time passed
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    second = json.loads(lines[1], parse_constant=refuse)
+    assert second["samples_per_sec"] is None and second["tokens_per_sec"] is None and second["loss"] == 2.0
+    assert ("Train/Samples/samples_per_sec", 8 / 3.0, 8) in events
+    assert [e for e in events if e[0] == "Train/Samples/samples_per_sec"] == [("Train/Samples/samples_per_sec",
+                                                                               8 / 3.0, 8)]

@@ -116,6 +116,12 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
         "non-positive eval steps": (["--eval-data", str(small_corpus), "--eval-steps", "0"],
                                     "--eval-steps must be >= 1, not 0"),
         "eval steps without eval data": (["--eval-steps", "5"], "pass --eval-data too"),
+        "eval table without eval data": (["--eval-synonyms", str(tmp_path / "other_vocab.npz")],
+                                         "pass --eval-data too"),
+        "eval table not a table": (["--eval-data", str(small_corpus), "--eval-synonyms", str(small_corpus)],
+                                   "is not a table file: pass a FILE.npz"),
+        "eval table for another vocab": (["--eval-data", str(small_corpus), "--eval-synonyms",
+                                          str(tmp_path / "other_vocab.npz")], "--eval-synonyms: synonym table"),
     }
     (tmp_path / "short.txt").write_text(small_corpus.read_text()[:600])  # two blocks of 64 tokens
     # A lock that a process killed while loading DeepSpeed's JIT-built comm op left behind.

@@ -3,6 +3,11 @@
 Shapes are static: `gold`, `pred` and `valid` are [B, P] over the masked-position slots of a batch
 (`valid` is False on padding slots), `logits` is [B, P, V]. Nothing here syncs with the host or loops
 over tokens in Python.
+
+The MLM cross-entropy and word-level SR take an optional `denominator`: their per-position terms are summed
+and divided by it. Training passes the global batch's count of masked positions (every micro-batch and rank of
+the optimizer step, a corrected position counting as 0 loss), so that a global batch's gradient does not depend
+on its split; without one they are means over the micro-batch's counted positions (evaluation, direct calls).
 """
 from __future__ import annotations
 
@@ -34,25 +39,39 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
     return (values * weights).sum() / weights.sum().clamp(min=1)
 
 
-def mlm_loss(logits: torch.Tensor, gold: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy averaged over the masked positions `keep` marks (the valid slots that hard correction
-    left labelled).
+def masked_sum_over(values: torch.Tensor, mask: torch.Tensor, denominator: torch.Tensor | None) -> torch.Tensor:
+    """The sum of `values` where `mask` is set, divided by `denominator` (a 0-d tensor, at least 1);
+    `masked_mean` with none."""
+    if denominator is None:
+        return masked_mean(values, mask)
+    # a product with the mask, not a selection: static shapes, and a left-out position gets a zero gradient
+    return (values * mask.to(values.dtype)).sum() / denominator
+
+
+def mlm_loss(logits: torch.Tensor, gold: torch.Tensor, keep: torch.Tensor,
+             denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy summed over the masked positions `keep` marks (the valid slots that hard correction
+    left labelled) and divided by `denominator` (the global batch's masked count: a corrected position
+    weighs 0); with none, averaged over `keep`.
 
     With no position left the loss is 0 (not NaN), so a step whose predictions were all corrected
     still trains the rest of the model.
     """
     labels = torch.where(keep, gold, torch.full_like(gold, -100))
     per_position = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
-    return masked_mean(per_position, keep.flatten())
+    return masked_sum_over(per_position, keep.flatten(), denominator)
 
 
 def soft_regularization(
-    embedding_matrix: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, valid: torch.Tensor | None = None
+    embedding_matrix: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, valid: torch.Tensor | None = None,
+    denominator: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The paper's Eq. 3: mean over masked positions of 1 - cos(E[gold], E[pred]); gradients reach both rows.
+    """The paper's Eq. 3: 1 - cos(E[gold], E[pred]) summed over masked positions and divided by `denominator`
+    (the global batch's masked count, as the MLM loss) or, with none, averaged; gradients reach both rows.
 
-    A position with a zero row has no cosine and is left out: HF zero-initialises the [PAD] row, and a
-    predicted [PAD] would otherwise send a gradient of |E[gold]| / 1e-8 into it (cosine_similarity's eps)."""
+    A position with a zero row has no cosine and is left out (a term of 0): HF zero-initialises the [PAD] row,
+    and a predicted [PAD] would otherwise send a gradient of |E[gold]| / 1e-8 into it (cosine_similarity's
+    eps)."""
     # One lookup of both rows. Its gradient is sparse on the CPU: a dense one is a [V, H] buffer zeroed and then
     # summed into the embedding's gradient, 0.7 % of a bert-base step there (bench/hc_sr_overhead.py), where
     # the sparse one is [2 x B x P, H]. On GPUs the dense buffer is a memset and stays (the sparse sum is not checked
@@ -66,7 +85,7 @@ def soft_regularization(
     counted = gold_vectors.ne(0).any(-1) & pred_vectors.ne(0).any(-1)
     if valid is not None:
         counted = counted & valid
-    return masked_mean(per_position, counted)
+    return masked_sum_over(per_position, counted, denominator)
 
 
 def sentence_regularization(

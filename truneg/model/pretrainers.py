@@ -3,6 +3,10 @@
 Each pre-trainer's forward takes a masked batch and returns `(loss, stats)`: the total loss and a dict
 of 0-d tensors (sums and counts, so they add up across ranks) that `metrics.py` turns into ratios.
 The MLM / generator head runs only at the masked positions.
+
+`masked_denominator` (train_step's): the MLM / generator cross-entropy and word-level SR are summed over the
+micro-batch and divided by it, the global batch's masked count over the factor DeepSpeed divides the gradients by,
+so that the accumulated gradient is the global batch's own however it is split. None: this micro-batch's means.
 """
 from __future__ import annotations
 
@@ -101,8 +105,10 @@ class _Pretrainer(nn.Module):
         deepspeed.zero.register_external_parameter(self, self.word_embeddings.weight)
 
     def add_soft_regularization(self, loss: torch.Tensor, stats: dict, gold: torch.Tensor, pred: torch.Tensor,
-                                valid: torch.Tensor, sentence_pair: Callable[[], tuple]) -> torch.Tensor:
-        """loss + sr_weight * SR. `sentence_pair()` gives (H_p, H_s, attention mask), encoded only for SR_Sent."""
+                                valid: torch.Tensor, sentence_pair: Callable[[], tuple],
+                                denominator: torch.Tensor | None = None) -> torch.Tensor:
+        """loss + sr_weight * SR. `sentence_pair()` gives (H_p, H_s, attention mask), encoded only for SR_Sent;
+        `denominator` divides word-level SR's sum (SR_Sent's mean over micro x seq_len tokens is split-invariant)."""
         if self.objective.sr == "none":
             return loss
         if self.objective.sr == "word":
@@ -110,7 +116,7 @@ class _Pretrainer(nn.Module):
             # like 1 / |row|: a predicted [PAD] is left out (the objective itself leaves out an exact zero row)
             pad = self.word_embeddings.padding_idx
             sr = soft_regularization(self.word_embeddings.weight, gold, pred,
-                                     valid if pad is None else valid & (pred != pad))
+                                     valid if pad is None else valid & (pred != pad), denominator)
         else:
             sr = sentence_regularization(*sentence_pair())
         stats["sr_loss"] = sr.detach()
@@ -141,13 +147,14 @@ class BertPretrainer(_Pretrainer):
         return bert_masked_logits(self.mlm, hidden, positions)
 
     def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
-                masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                masked_denominator: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         gold = original_ids.gather(1, masked_positions)
         hidden = self.encode(input_ids, attention_mask)
         logits = self.masked_logits(hidden, masked_positions)
         pred = logits.detach().argmax(-1) if self.prediction == "argmax" else gumbel_max_sample(logits)
         corrected = _correct(gold, pred, masked_valid, self.hc_lookup)
-        loss = mlm_loss(logits, gold, masked_valid & ~corrected)
+        loss = mlm_loss(logits, gold, masked_valid & ~corrected, masked_denominator)
         stats = {"mlm_loss": loss.detach(), **false_negative_counts(gold, pred, corrected, masked_valid)}
 
         def sentence_pair():
@@ -162,7 +169,8 @@ class BertPretrainer(_Pretrainer):
                 return h_pred, self.encode(original_ids, attention_mask), attention_mask
             return h_pred, hidden, attention_mask
 
-        return self.add_soft_regularization(loss, stats, gold, pred, masked_valid, sentence_pair), stats
+        return self.add_soft_regularization(loss, stats, gold, pred, masked_valid, sentence_pair,
+                                            masked_denominator), stats
 
 
 class ElectraPretrainer(_Pretrainer):
@@ -188,7 +196,8 @@ class ElectraPretrainer(_Pretrainer):
         return generator_masked_logits(self.generator, hidden, positions)
 
     def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
-                masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                masked_denominator: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         gold = original_ids.gather(1, masked_positions)
         gen_hidden = self.generator.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         gen_logits = self.masked_logits(gen_hidden, masked_positions)
@@ -196,7 +205,7 @@ class ElectraPretrainer(_Pretrainer):
         argmax = gen_logits.detach().argmax(-1)
         pred = sample if self.prediction == "sample" else argmax
         corrected = _correct(gold, pred, masked_valid, self.hc_lookup)
-        gen_loss = mlm_loss(gen_logits, gold, masked_valid & ~corrected)
+        gen_loss = mlm_loss(gen_logits, gold, masked_valid & ~corrected, masked_denominator)
 
         # The discriminator always sees the sample; its HC relabelling is judged on the sample too.
         disc_input = fill_masked(input_ids, masked_positions, masked_valid, sample)
@@ -206,6 +215,8 @@ class ElectraPretrainer(_Pretrainer):
                                             corrected_full if self.hc_lookup is not None else None)
         disc_hidden = self.discriminator.electra(input_ids=disc_input, attention_mask=attention_mask).last_hidden_state
         disc_logits = self.discriminator.discriminator_predictions(disc_hidden)
+        # a mean over the micro-batch's B x L tokens (training's blocks are full and pass no attention mask): the
+        # same count in every micro-batch, so the mean of the micro-batches' means is the global batch's
         disc_loss = discriminator_loss(disc_logits, disc_labels, attention_mask)
         loss = gen_loss + DISCRIMINATOR_WEIGHT * disc_loss
 
@@ -229,7 +240,8 @@ class ElectraPretrainer(_Pretrainer):
             h_gold = self.discriminator.electra(input_ids=original_ids, attention_mask=attention_mask)
             return disc_hidden, h_gold.last_hidden_state, attention_mask
 
-        return self.add_soft_regularization(loss, stats, gold, pred, masked_valid, sentence_pair), stats
+        return self.add_soft_regularization(loss, stats, gold, pred, masked_valid, sentence_pair,
+                                            masked_denominator), stats
 
 
 def build_pretrainer(

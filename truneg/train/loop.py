@@ -155,6 +155,23 @@ def _injected_nonfinite_steps() -> set[int]:
     return {int(s) for s in os.environ.get(INJECT_NONFINITE_ENV, "").split(",") if s.strip()}
 
 
+def masked_denominator(engine: DeepSpeedEngine, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
+    """The models' `masked_denominator` for a step's micro-batches: the global batch's count of masked positions
+    (every micro-batch of every data-parallel rank) over the factor DeepSpeed divides the summed gradients by, so that
+    the step's gradient is the global batch's summed cross-entropy (and word-level SR) over its masked count, however
+    it is split. DeepSpeed 0.19 divides by the accumulation steps in `engine.backward` (scale_wrt_gas) and by the
+    data-parallel ranks where it averages (`gradient_allreduce_op` mean): engine.allreduce_bucket (ZeRO-0, bf16),
+    stage_1_and_2's gradient_reduction_w_predivide / average_tensor, stage3's __avg_scatter_contiguous_grads; a
+    gradient_predivide_factor divides and multiplies back. One all-reduce of a 0-d tensor, no host sync (NCCL runs
+    it in the stream). None for a model with no masked slots."""
+    if "masked_valid" not in batches[0]:
+        return None
+    count = torch.stack([batch["masked_valid"].sum() for batch in batches]).sum().float()
+    dist.all_reduce(count, group=engine.data_parallel_group)
+    averaged_over = engine.gradient_accumulation_steps() * (engine.dp_world_size if engine.gradient_average else 1)
+    return count.clamp(min=1) / averaged_over  # a global batch with nothing masked has a sum of 0 to divide
+
+
 def train_step(engine: DeepSpeedEngine, state: TrainState, stop: StopSignal, guard: SkipGuard,
                inject: set[int]) -> tuple[bool, bool]:
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns (stop requested on some
@@ -164,9 +181,13 @@ def train_step(engine: DeepSpeedEngine, state: TrainState, stop: StopSignal, gua
     nonfinite = torch.zeros((), device=device)
     poison = engine.global_steps + 1 in inject and state.rank == 0
     scale = backward_loss_scale(engine)  # changes only in engine.step()
-    for micro in range(micro_batches):
-        batch = next(state.batches)  # on the device
-        loss, stats = engine(**batch)
+    # All the step's micro-batches first (on the device; their copies queued at once): the global batch's masked
+    # count divides every micro-batch's loss. The sampler position a checkpoint keeps is still the step's end.
+    batches = [next(state.batches) for _ in range(micro_batches)]
+    denominator = masked_denominator(engine, batches)
+    extra = {} if denominator is None else {"masked_denominator": denominator}
+    for micro, batch in enumerate(batches):
+        loss, stats = engine(**batch, **extra)
         if poison:
             loss = loss * float("nan")
         finite = torch.isfinite(loss.detach())
@@ -264,14 +285,16 @@ def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog:
                                          == cfg.max_steps) and not state.nonfinite_in_a_row
         # nor of diverged replicas: checked before every save too (a collective, under the step's limit)
         if check_replicas and (step % cfg.replica_check_steps == 0 or saving or stop_requested):
-            replicas.check(engine, step, checkpoint.latest_tag(cfg.checkpoint_dir))
+            with state.metrics.paused():  # (not training: left out of the throughput, as the eval and the save)
+                replicas.check(engine, step, checkpoint.latest_tag(cfg.checkpoint_dir))
         # before the step's save; a stop leaves it to the resume
         if state.heldout is not None and state.heldout.due(step) and not stop_requested:
             _evaluate(state, engine, step, watchdog)
         if saving or stop_requested:
             if watchdog is not None:
                 watchdog.started(step, SAVE)
-            state.save(cfg, engine, step)
+            with state.metrics.paused():
+                state.save(cfg, engine, step)
         if watchdog is not None:
             watchdog.ended()
         if stop_requested:

@@ -6,6 +6,7 @@ after a resume one purge step cleans the tensorboard history of both.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from truneg.train.efficiency import THROUGHPUT_KEYS
-from truneg.train.heldout import EVAL_PREFIX, console_line, is_eval_record
+from truneg.train.records import EVAL_PREFIX, console_line, dumps, is_eval_record
 from truneg.train.run_config import METRICS
 
 if TYPE_CHECKING:
@@ -112,6 +113,10 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.interval_start
         finite = totals["finite_micro_steps"]
         record = {"step": step, "samples": int(self.engine.global_samples)}
+        # A micro-step's MLM / generator loss and word-level SR are its summed terms over the global batch's masked
+        # count times the step's micro-steps x ranks (loop.masked_denominator), and disc_loss a mean over as many
+        # tokens in each: the mean over a step's micro-steps and ranks is the global batch's loss, and `loss` is still
+        # the sum of the parts.
         for key in ("loss", "mlm_loss", "gen_loss", "disc_loss", "sr_loss"):
             if key in totals and finite > 0:  # an interval of skipped steps only has no loss to show
                 record[key] = totals[key] / finite
@@ -140,9 +145,9 @@ class MetricsLogger:
         left_out = ("step", "samples", "lr", "loss_scale", "warmup", *(THROUGHPUT_KEYS if "warmup" in record else ()))
         if self.rank == 0:
             self.engine.monitor.write_events([(f"Train/Samples/{k}", v, record["samples"]) for k, v in record.items()
-                                              if k not in left_out])
+                                              if k not in left_out and _plottable(v)])
             with open(self.jsonl, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(dumps(record) + "\n")
         self.keys, self.sums, self.micro_steps, self.nonfinite_steps, self.interval_samples = [], None, 0, 0, 0
         if self.efficiency is not None:
             self.efficiency.reset()
@@ -157,10 +162,20 @@ class MetricsLogger:
         if self.rank != 0:
             return
         self.engine.monitor.write_events([(f"Eval/{k.removeprefix(EVAL_PREFIX)}", v, record["samples"])
-                                          for k, v in record.items() if k not in ("step", "samples")])
+                                          for k, v in record.items() if k not in ("step", "samples") and _plottable(v)])
         with open(self.jsonl, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(dumps(record) + "\n")
         print(console_line(record), flush=True)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Work between steps that is not training (a save, a replica check) is left out of the interval's time,
+        as an evaluation's is, so that samples/s, TFLOP/s, MFU and the data-wait share dip at no save."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.interval_start += time.perf_counter() - started
 
     def has_evaluation(self, step: int) -> bool:
         """Whether metrics.jsonl holds an evaluation of `step` (rank 0 reads it; a collective: every rank learns)."""
@@ -206,6 +221,11 @@ class MetricsLogger:
         log_dir = tb.summary_writer.log_dir
         tb.summary_writer.close()
         tb.summary_writer = SummaryWriter(log_dir=log_dir, purge_step=samples + 1)
+
+
+def _plottable(value) -> bool:
+    """A number a monitor can draw: not the eval table's label, nor a figure that does not exist (null)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _replace_lines(path: Path, lines: list[str]) -> None:
