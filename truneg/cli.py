@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     # Each command's output paths (its `output_paths` default: dest, flag, folder or file), checked before any work
     for dest, flag, folder in getattr(args, "output_paths", ()):
-        check_output_path(getattr(args, dest), flag, folder=folder)
+        if getattr(args, dest) is not None:  # an optional output left out (`truneg eval` without --out)
+            check_output_path(getattr(args, dest), flag, folder=folder)
     args.func(args)
 
 

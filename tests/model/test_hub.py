@@ -110,3 +110,67 @@ def test_a_download_cut_off_after_the_hubs_retries_is_one_line(offline_hub, monk
     monkeypatch.setattr(hub, "snapshot_download", lambda *a, **k: 1 / 0)  # a bug stays a traceback
     with pytest.raises(ZeroDivisionError):
         hub.locate("org/big-bert", "--model")
+
+
+def test_a_checkpoint_of_a_model_type_truneg_does_not_build_is_refused_before_any_model_is_built(
+        offline_hub, tmp_path, monkeypatch, capsys):
+    """A GPT-2 or a T5 given as --init-from (a folder, or a cached hub name) would load into a BERT of default sizes
+    with every weight missing: refused in one line naming its model_type and the accepted ones, by the checks
+    before the start (pretrain.py's and `truneg preflight`'s) and by the load itself, before any model is built.
+    A config without a model_type (old BERT exports) and a sentence-transformers BERT still pass."""
+    import json
+
+    from conftest import sentence_transformers_folder
+    from transformers import GPT2Config, GPT2LMHeadModel, T5Config
+    from transformers.modeling_utils import PreTrainedModel
+
+    from truneg.cluster import preflight
+    from truneg.model.presets import foreign_model_problem
+    from truneg.pretrain import main
+    from truneg.train.checks import path_problems
+
+    gpt2, t5 = tmp_path / "gpt2", hub_snapshot(offline_hub, "org/tiny-t5")
+    tiny = dict(n_layer=1, n_embd=8, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(GPT2Config(**tiny)).save_pretrained(gpt2)
+    T5Config(d_model=8, num_layers=1, num_heads=2, vocab_size=100).save_pretrained(t5)
+    built = []
+    real_init = PreTrainedModel.__init__
+    monkeypatch.setattr(PreTrainedModel, "__init__", lambda self, *a, **k: (built.append(type(self).__name__),
+                                                                             real_init(self, *a, **k))[1])
+    accepted = "truneg continues only model_type bert or electra"
+    with pytest.raises(UserError, match=rf"^--init-from {gpt2} holds a gpt2 model \(its config.json's model_type\); "
+                                        rf"{accepted} \("):
+        build_pretrainer(None, ObjectiveConfig(), init_from=gpt2)
+    assert built == []  # not a BertForMaskedLM of default sizes, then "lacks 204 weights"
+
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(model=None, init_from="org/tiny-t5", init_generator=str(gpt2),
+                              output_dir=tmp_path / "run", train_data=[])
+    assert [line.split(";")[0] for line in path_problems(args)] == [
+        f"--init-from {t5} holds a t5 model (its config.json's model_type)",
+        f"--init-generator {gpt2} holds a gpt2 model (its config.json's model_type)"]
+    argv = ["--init-from", str(gpt2), "--output-dir", str(tmp_path / "run")]
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and "holds a gpt2 model" in err and accepted in err, err
+    assert not (tmp_path / "run").exists() and built == []
+    assert preflight.run(argv) == 2 and "holds a gpt2 model" in capsys.readouterr().err
+
+    # an ELECTRA export whose generator/ is of another type; a BERT without model_type, and an ST encoder: accepted
+    electra = tmp_path / "electra"
+    (electra / "discriminator").mkdir(parents=True)
+    (electra / "discriminator" / "config.json").write_text(json.dumps({"model_type": "electra"}))
+    GPT2Config(**tiny).save_pretrained(electra / "generator")
+    assert foreign_model_problem(electra, "--init-from").startswith(f"--init-from {electra / 'generator'} holds a gpt2")
+    monkeypatch.setattr(PreTrainedModel, "__init__", real_init)
+    old = tmp_path / "old-bert"
+    build_pretrainer("bert-tiny", ObjectiveConfig()).mlm.save_pretrained(old)
+    config = json.loads((old / "config.json").read_text())
+    del config["model_type"]
+    (old / "config.json").write_text(json.dumps(config))
+    assert path_problems(argparse.Namespace(init_from=str(old), output_dir=tmp_path / "run2", train_data=[])) == []
+    assert architecture(build_pretrainer(None, ObjectiveConfig(), init_from=old))["layers"] == 2
+    sentence_transformers_folder(tmp_path / "st")
+    assert foreign_model_problem(tmp_path / "st", "--init-from") is None

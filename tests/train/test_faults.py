@@ -390,3 +390,109 @@ def test_the_step_timeout_stays_below_the_collective_timeout():
     said = step_timeout_problem(900)
     assert said.startswith("--step-timeout 900 is not below the collective timeout (600 s, DEEPSPEED_TIMEOUT=10 "
                            "minutes)") and said.endswith("export DEEPSPEED_TIMEOUT=20"), said
+
+
+def tag_of_the_reference(runs, tmp_path: Path) -> Path:
+    """A copy of the bert-zero2 reference run's checkpoints folder (ZeRO-2: zero_to_fp32 reads its optimizer
+    shards), and its last tag in it."""
+    import shutil
+
+    reference_dir, _ = runs("bert-zero2")
+    shutil.copytree(reference_dir / "checkpoints", tmp_path / "checkpoints")
+    return tmp_path / "checkpoints" / checkpoint.latest_tag(tmp_path / "checkpoints")
+
+
+def torch_loads(monkeypatch, tag: Path) -> list[str]:
+    """The files of `tag` that anything (truneg, DeepSpeed's zero_to_fp32) hands to torch.load from now on."""
+    loaded, real = [], torch.load
+
+    def spy(f, *args, **kwargs):
+        if Path(f).parent == tag:
+            loaded.append(Path(f).name)
+        return real(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    return loaded
+
+
+def test_eval_fn_stats_and_export_read_a_tag_only_once_its_manifest_matches(runs, tmp_path, small_corpus,
+                                                                            monkeypatch, capsys):
+    """A changed byte in DeepSpeed's model file, or a file the save did not write (zero_to_fp32 reads every
+    *_optim_states.pt it finds), is one line naming it, exit 2, before any of the tag's files is unpickled. The
+    samples `truneg eval` reports come from META; a tag without a manifest is read with a warning."""
+    from truneg.eval.checkpoints import discover_checkpoints, samples_of
+
+    tag = tag_of_the_reference(runs, tmp_path)
+    [ref] = discover_checkpoints([str(tag)])
+    loaded = torch_loads(monkeypatch, tag)
+    assert samples_of(ref) == {"samples": 24 * 4 * 2} and loaded == []  # META's: no pickle read
+    model_file = tag / "mp_rank_00_model_states.pt"
+    intact = model_file.read_bytes()
+    flip_tensor_byte(model_file)
+    monkeypatch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))  # fn-stats prepares the corpus first
+    changed = f"truneg: error: {model_file} is damaged: its bytes changed since the save (checksum "
+    for command in (("export", str(tag), str(tmp_path / "hf")),
+                    ("eval", str(tag), "--data", str(small_corpus), "--seq-len", "64", "--eval-max-sequences", "4"),
+                    ("fn-stats", "--checkpoints", str(tag), "--data", str(small_corpus), "--seq-len", "64",
+                     "--max-sequences", "4", "--out", str(tmp_path / "fn"))):
+        proc = cli_in_process(*command)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2 and last.startswith(changed) and last.endswith(
+            "; nothing was read from it: pass another tag, or this one as it was saved"), (command, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and loaded == [], command
+    assert not (tmp_path / "hf").exists()
+
+    model_file.write_bytes(intact)
+    extra = tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    extra.write_bytes((tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").read_bytes())
+    proc = cli_in_process("export", str(tag), str(tmp_path / "hf"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"truneg: error: {extra} is not in {integrity.MANIFEST_FILE}: it was added after the save; nothing was read "
+        "from it: pass another tag, or this one as it was saved") and loaded == [], proc.stderr[-2000:]
+
+    # a tag written before the manifest and before META held the samples: read, with a warning; the samples from
+    # DeepSpeed's model file, with the safe unpickler
+    extra.unlink()
+    (tag / integrity.MANIFEST_FILE).unlink()
+    (tag / checkpoint.META_FILE).write_text('{"step": 24, "world_size": 2}\n')
+    capsys.readouterr()
+    assert samples_of(ref) == {"samples": 24 * 4 * 2} and loaded == ["mp_rank_00_model_states.pt"]
+    assert capsys.readouterr().err == (f"truneg: warning: {tag} has no {integrity.MANIFEST_FILE} (written before "
+                                       "truneg checksummed its checkpoints): its files are read unchecked\n")
+    proc = cli_in_process("export", str(tag), str(tmp_path / "hf"))
+    assert proc.returncode == 0 and (tmp_path / "hf" / "model.safetensors").is_file(), proc.stderr[-2000:]
+
+
+def test_a_forged_pickle_is_refused_by_the_safe_unpickler_even_with_a_manifest_that_matches(runs, tmp_path,
+                                                                                           monkeypatch):
+    """A manifest is integrity, not safety: a folder can carry one written for forged files. DeepSpeed's model file
+    and its ZeRO optimizer shard (which zero_to_fp32 would unpickle whole) each forged to run code, the manifest
+    rewritten to match: export, the samples' fallback and the resume's pre-check refuse them in one line, and the
+    code never runs. DeepSpeed's real files load with the classes allowed."""
+    from truneg.eval.checkpoints import CheckpointRef, samples_of
+
+    tag = tag_of_the_reference(runs, tmp_path)
+    for path in sorted(tag.glob("*_states.pt")):  # what DeepSpeed 0.19 pickles: the allowed classes suffice
+        integrity.load_deepspeed_file(path)
+    marker = tmp_path / "ran"
+    manifest = integrity.read_manifest(tag)
+    for name in ("zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"):
+        forged = tag / name
+        saved = torch.load(forged, map_location="cpu", weights_only=False)
+        torch.save({**saved, "global_samples": Planted(marker)}, forged)
+        manifest[name] = integrity.checksum(forged)
+        integrity.write_manifest(tag, manifest)
+        proc = cli_in_process("export", str(tag), str(tmp_path / "hf"))
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2 and last.startswith(f"truneg: error: {forged} holds ") and last.endswith(
+            ", which DeepSpeed's checkpoints do not (truneg unpickles tensors, plain types and "
+            "deepspeed.runtime.fp16.loss_scaler.LossScaler, deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler, "
+            "deepspeed.runtime.zero.config.ZeroStageEnum, deepspeed.utils.tensor_fragment.fragment_address); it was "
+            "not unpickled: read only checkpoints you trust"), proc.stderr[-2000:]
+        assert not marker.exists() and not (tmp_path / "hf").exists()
+    (tag / checkpoint.META_FILE).write_text('{"step": 24, "world_size": 2}\n')  # no samples: the model file's
+    with pytest.raises(UserError, match=" holds .*it was not unpickled"):
+        samples_of(CheckpointRef(str(tag), 24, tag, "truneg"))
+    with pytest.raises(UserError, match=" holds .*it was not unpickled"):  # resume's pre-check of a tag without one
+        integrity.check_readable([tag / "mp_rank_00_model_states.pt"], tag)
+    assert not marker.exists()

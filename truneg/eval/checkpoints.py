@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM
 
 from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
@@ -19,7 +18,7 @@ from truneg.errors import UserError
 from truneg.model import hub
 from truneg.model.presets import load_pretrained
 from truneg.model.pretrainers import BertPretrainer, ElectraPretrainer, ObjectiveConfig, build_pretrainer
-from truneg.train import checkpoint
+from truneg.train import checkpoint, integrity
 from truneg.train.export import load_parts, run_tokenizer_dir
 
 if TYPE_CHECKING:
@@ -118,9 +117,19 @@ def load_mlm(ref: CheckpointRef) -> BertForMaskedLM | ElectraForMaskedLM:
 
 
 def samples_of(ref: CheckpointRef) -> dict[str, int]:
-    """{"samples": the samples a truneg tag had trained on}, as its run's record says; {} for another model."""
-    states = ref.path / "mp_rank_00_model_states.pt"
-    if ref.kind != "truneg" or not states.is_file():
+    """{"samples": the samples a truneg tag had trained on}, as its META says; {} for another model. A tag written
+    before META held them has DeepSpeed's model file read instead: checked against the tag's manifest, then with
+    torch's safe unpickler."""
+    if ref.kind != "truneg":
         return {}
-    saved = torch.load(states, map_location="cpu", weights_only=False, mmap=True)  # DeepSpeed's own file: its pickle
+    samples = checkpoint.saved_samples(ref.path.parent, ref.path.name)
+    if samples is not None:
+        return {"samples": samples}
+    # ZeRO-0/1/2's one model file, or ZeRO-3's of rank 0
+    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    states = next((ref.path / name for name in names if (ref.path / name).is_file()), None)
+    if states is None:
+        return {}
+    integrity.verify_before_reading(ref.path, [states.name])
+    saved = integrity.load_deepspeed_file(states)
     return {"samples": int(saved["global_samples"])} if "global_samples" in saved else {}

@@ -8,6 +8,7 @@ from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
 from truneg.errors import UserError
+from truneg.model.pair import model_type
 
 VOCAB_SIZE = 30522
 MAX_POSITIONS = 512
@@ -60,6 +61,26 @@ def is_electra_checkpoint(root: Path) -> bool:
     return (root / "discriminator" / "config.json").is_file()
 
 
+# The model_types truneg builds: a BERT (BertForMaskedLM / BertForPreTraining; a BertModel or a sentence-transformers
+# BERT encoder with --new-head, whose config.json says "bert" too) and ELECTRA's generator and discriminator.
+MODEL_TYPES = ("bert", "electra")
+
+
+def foreign_model_problem(root: Path, flag: str) -> str | None:
+    """One line when a checkpoint folder's config.json (an export's generator/ and discriminator/ ones) names a
+    model_type truneg does not build (a GPT-2, a T5, a RoBERTa), which from_pretrained would load into a BERT of
+    default sizes with every weight missing; None otherwise. A config without a model_type (old BERT exports) or one
+    that cannot be read passes: the load says what is wrong with the latter."""
+    parts = [root / "generator", root / "discriminator"] if is_electra_checkpoint(root) else [root]
+    for folder in parts:
+        found = model_type(folder)
+        if found is not None and found not in MODEL_TYPES:
+            return (f"{flag} {folder} holds a {found} model (its config.json's model_type); truneg continues only "
+                    f"model_type {' or '.join(MODEL_TYPES)} (a BERT MLM or encoder, an ELECTRA generator and "
+                    "discriminator, or `truneg export`'s folder): pass one of those")
+    return None
+
+
 def matching_preset(root: Path, electra: bool | None = None) -> str | None:
     """The preset whose sizes an --init-from checkpoint has, read from its config.json alone (no weights);
     None when none matches or the config cannot be read. `electra` True: a discriminator's own folder (the
@@ -109,6 +130,8 @@ def from_pretrained_with_head(cls, path: Path, flag: str = "--init-from", new_he
             f"{flag}: {path} holds no HF model (config.json); pass an exported truneg folder "
             "(with generator/ and discriminator/ for ELECTRA) or an HF model folder"
         )
+    if problem := foreign_model_problem(path, flag):  # before from_pretrained builds a BERT of default sizes
+        raise UserError(problem)
     # --new-head expects the head missing: HF's load report (and its warning that the head's tied bias is absent)
     # would say as much in a dozen lines; truneg's own line says it in one
     verbosity = hf_logging.get_verbosity()

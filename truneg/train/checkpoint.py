@@ -6,7 +6,8 @@ DeepSpeed stores the module, the optimizer partitions, the LR scheduler and the 
 no RNG state or data position, and writes `client_state` from rank 0 only, so each rank also writes
 `truneg_rank{r}.pt` (RNG states, metric accumulator; plain types and tensors, read with weights_only=True) beside
 the tag. When every rank has finished, the ranks checksum the tag's files into its manifest (integrity.py); then
-truneg writes META and `latest`, last: a checkpoint killed half-way is never the one resumed.
+truneg writes META (step, world size, samples trained on) and `latest`, last: a checkpoint killed half-way is never
+the one resumed. What truneg's commands need of a tag they read from META, not from DeepSpeed's pickles.
 """
 from __future__ import annotations
 
@@ -132,14 +133,30 @@ def universal_tag(tag: str) -> str:
     return f"{tag}{integrity.UNIVERSAL_SUFFIX}"
 
 
-def saved_world_size(checkpoint_dir: Path, tag: str) -> int | None:
+def read_meta(checkpoint_dir: Path, tag: str) -> dict | None:
+    """The tag's META ({"step", "world_size"}, and "samples" since truneg wrote it); None for a tag without one."""
     meta = checkpoint_dir / tag / META_FILE
     if not meta.is_file():
         return None
     try:
-        return json.loads(meta.read_text(encoding="utf-8"))["world_size"]
-    except (ValueError, KeyError):  # a file system that lost the write (power cut before it reached the disk)
-        raise UserError(f"{meta} is damaged; resume from another tag with --resume DIR") from None
+        found = json.loads(meta.read_text(encoding="utf-8"))
+    except ValueError:
+        found = None
+    if not isinstance(found, dict) or "world_size" not in found:  # a file system that lost the write (power cut
+        # before it reached the disk)
+        raise UserError(f"{meta} is damaged; resume from another tag with --resume DIR")
+    return found
+
+
+def saved_world_size(checkpoint_dir: Path, tag: str) -> int | None:
+    meta = read_meta(checkpoint_dir, tag)
+    return None if meta is None else meta["world_size"]
+
+
+def saved_samples(checkpoint_dir: Path, tag: str) -> int | None:
+    """The samples the tag had trained on, as its META says; None for a tag written before META held them."""
+    samples = (read_meta(checkpoint_dir, tag) or {}).get("samples")
+    return samples if isinstance(samples, int) else None
 
 
 def convert_to_universal(checkpoint_dir: Path, tag: str) -> Path:
@@ -178,7 +195,8 @@ def save(engine: DeepSpeedEngine, checkpoint_dir: Path, step: int, client_state:
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
     dist.barrier()
     manifest = integrity.hash_share(checkpoint_dir / tag)
-    on_rank_zero(lambda: _commit(checkpoint_dir, tag, step, dist.get_world_size(), manifest),
+    samples = int(engine.global_samples)
+    on_rank_zero(lambda: _commit(checkpoint_dir, tag, step, dist.get_world_size(), manifest, samples),
                  f"complete {checkpoint_dir / tag}")
     return tag
 
@@ -203,16 +221,19 @@ def _point_latest(checkpoint_dir: Path, tag: str) -> None:
     os.replace(tmp, checkpoint_dir / "latest")  # atomic: `latest` names a complete checkpoint or the old one
 
 
-def _commit(checkpoint_dir: Path, tag: str, step: int, world_size: int, manifest: dict | str | None = None) -> None:
+def _commit(checkpoint_dir: Path, tag: str, step: int, world_size: int, manifest: dict | str | None = None,
+            samples: int | None = None) -> None:
     """After every rank wrote its part: the tag's manifest (integrity.hash_share's, or the line saying why a rank
-    could not checksum its share), its META, then `latest` (atomic: it names a complete checkpoint or the old one)."""
+    could not checksum its share), its META (with the samples trained on, which `truneg eval` reports: read there
+    without unpickling DeepSpeed's files), then `latest` (atomic: it names a complete checkpoint or the old one)."""
     if isinstance(manifest, str):
         raise UserError(manifest)
     if manifest is not None:
         integrity.write_manifest(checkpoint_dir / tag, manifest)
     meta = checkpoint_dir / tag / META_FILE
     tmp = meta.with_name(META_FILE + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "world_size": world_size}) + "\n", encoding="utf-8")
+    counts = {"step": step, "world_size": world_size, **({} if samples is None else {"samples": samples})}
+    tmp.write_text(json.dumps(counts) + "\n", encoding="utf-8")
     os.replace(tmp, meta)  # atomic: a tag has a whole META or none
     _point_latest(checkpoint_dir, tag)
 
@@ -298,7 +319,7 @@ def _restore_group_settings(optimizer: torch.optim.Optimizer, universal_optimize
     """DeepSpeed 0.19's ZeRO-3 universal load gives every parameter group the first group's settings
     (stage3.py, _load_universal_checkpoint): the no-decay group (biases, LayerNorm) would be decayed from then on.
     Each group gets its own back, as saved (the file is memory-mapped: only the settings are read)."""
-    saved = torch.load(universal_optimizer_state, map_location="cpu", weights_only=False, mmap=True)
+    saved = integrity.load_deepspeed_file(universal_optimizer_state)
     saved_groups = saved["optimizer_state_dict"]["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise UserError(f"{universal_optimizer_state} holds {len(saved_groups)} parameter groups, this model "

@@ -24,7 +24,7 @@ from truneg.data.corpus import is_hf, resolve_text_files
 from truneg.data.masking import default_max_predictions
 from truneg.errors import UserError, check_output_path
 from truneg.model import hub
-from truneg.model.presets import DEFAULT_PRESET, matching_preset
+from truneg.model.presets import DEFAULT_PRESET, foreign_model_problem, matching_preset
 from truneg.train import ds_config, memory
 from truneg.train.ds_config import GPU_ARCH_ENV, GPU_ARCHS
 
@@ -272,6 +272,8 @@ def path_problems(args: argparse.Namespace, nodes: int = 1) -> list[str]:
     for flag, spec in (("--init-from", args.init_from), ("--init-generator", getattr(args, "init_generator", None))):
         if spec and (problem := hub.problem(spec, flag)):
             problems.append(problem)
+        elif spec and (folder := hub.folder_or_cached(spec)) and (problem := foreign_model_problem(folder, flag)):
+            problems.append(problem)  # (a hub name not cached yet: from_pretrained_with_head, once downloaded)
     problems += _check_output_dir(args.output_dir, nodes)
     problems += _check_corpus(args.train_data)
     problems += [f"--eval-data: {p}" for p in _check_corpus(getattr(args, "eval_data", None) or [])]

@@ -22,7 +22,7 @@ from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, Electr
 from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
 from truneg.errors import UserError, check_output_path
 from truneg.model.pretrainers import ElectraPretrainer, ObjectiveConfig
-from truneg.train import checkpoint
+from truneg.train import checkpoint, integrity
 from truneg.train.checkpoint import HF_CONFIG_DIR
 
 if TYPE_CHECKING:
@@ -117,18 +117,27 @@ def fp32_state_dict(checkpoint_dir: Path, tag: str) -> dict:
     """The consolidated fp32 weights of a tag (any ZeRO stage, any world size): DeepSpeed's zero_to_fp32 for
     ZeRO-1/2/3. It reads ZeRO partitions only; a ZeRO-0 tag (the LAMB recipe's) has none, and its one model file
     holds the whole model as it ran (in fp16 runs, the fp16 weights; their fp32 masters are optimizer state).
-    Nor does it read BF16_Optimizer's partitions (the bf16 recipes': bf16 at ZeRO-1, fp32 accumulation)."""
+    Nor does it read BF16_Optimizer's partitions (the bf16 recipes': bf16 at ZeRO-1, fp32 accumulation).
+
+    The tag's files are checked against its manifest before any is unpickled, and unpickled with torch's safe
+    unpickler (integrity.load_deepspeed_file): zero_to_fp32's own full unpickling reads only files that passed it."""
+    tag_dir = checkpoint_dir / tag
+    integrity.verify_before_reading(tag_dir)
     try:
-        model_file = checkpoint_dir / tag / "mp_rank_00_model_states.pt"  # ZeRO-3 writes one per rank instead
+        model_file = tag_dir / "mp_rank_00_model_states.pt"  # ZeRO-3 writes one per rank instead
         if model_file.is_file():
-            states = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
+            states = integrity.load_deepspeed_file(model_file)
             if (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0) == 0:
                 return {name: value.float() for name, value in states["module"].items()}
-            partitions = _bf16_optimizer_partitions(checkpoint_dir / tag)
+            partitions = _bf16_optimizer_partitions(tag_dir)
             if partitions:
                 return _bf16_optimizer_weights(states, partitions)
             del states
+        for path in sorted(tag_dir.glob("*_states.pt")):  # what zero_to_fp32 unpickles (memory-mapped here: cheap)
+            integrity.load_deepspeed_file(path)
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+    except UserError:
+        raise
     except Exception as err:  # zero_to_fp32 raises ValueError, FileNotFoundError, pickle errors, ...
         raise UserError(f"cannot read checkpoint {checkpoint_dir / tag} "
                         f"({type(err).__name__}: {str(err)[:200]})") from None
@@ -145,7 +154,7 @@ def _bf16_optimizer_partitions(tag_dir: Path) -> list[dict]:
                    key=lambda f: int(f.name.removeprefix(BF16_PARTITION).split("_")[0]))
     partitions: list[dict] = []
     for path in paths:
-        partitions.append(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"])
+        partitions.append(integrity.load_deepspeed_file(path)["optimizer_state_dict"])
         if "zero_stage" in partitions[0]:
             return []
     return partitions

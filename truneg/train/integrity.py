@@ -5,6 +5,10 @@ torch.save's zip records carry CRC32s too, but reading them finds neither a file
 byte in a file of torch's legacy format or DeepSpeed's other files, and zlib's crc32 runs at a fifth of xxh3's speed
 here (bench/checkpoint_integrity.py): the manifest hashes every file with xxh3-64. `truneg verify` reads those CRCs
 for a tag written before the manifest: they need no unpickling.
+
+A manifest is integrity, not safety: a folder from elsewhere can carry a forged one. Where truneg itself unpickles
+DeepSpeed's files (`load_deepspeed_file`), torch's safe unpickler does, with the few DeepSpeed classes those files
+hold allowed (DEEPSPEED_GLOBALS).
 """
 from __future__ import annotations
 
@@ -12,12 +16,16 @@ import json
 import os
 import pickle
 import re
+import sys
 import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import xxhash
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 from truneg.errors import UserError
 from truneg.train.distributed import on_every_rank
@@ -144,13 +152,20 @@ def verify_shared(tag_dir: Path, names: list[str], manifest: dict[str, dict]) ->
 def check_readable(files: list[Path], tag_dir: Path) -> None:
     """Each file opens as torch.save wrote it: memory-mapped (its zip directory and pickle, not the tensors'
     bytes), or read whole where that cannot be (a file in torch's legacy format, `checkpoint_serialization:
-    false`; a file system without mmap). For tags without a manifest (written before it, or a universal form)."""
+    false`; a file system without mmap). For tags without a manifest (written before it, or a universal form).
+    DeepSpeed's files open with the safe unpickler (a pickle that is not DeepSpeed's is refused before DeepSpeed's
+    load runs it); truneg's own rank files are load_rank_state's (older ones are pickles, loaded with a warning)."""
     for path in files:
         try:
+            if not path.name.startswith(RANK_STATE_PREFIX):
+                load_deepspeed_file(path)
+                continue
             try:
                 torch.load(path, map_location="cpu", mmap=True, weights_only=False)
             except Exception:
                 torch.load(path, map_location="cpu", weights_only=False)
+        except UserError:
+            raise
         except OSError as err:  # not the file's fault: permissions, memory, the file system
             raise UserError(f"cannot read checkpoint {tag_dir}: {path.relative_to(tag_dir)}: {err}; check its "
                             "permissions and file system, or resume from another tag with --resume DIR") from None
@@ -239,3 +254,57 @@ def verify_before_load(tag_dir: Path, saved_world_size: int | None) -> None:
               "checkpoints): its files are only opened, a changed byte is not found", flush=True)
     files = files_to_load(tag_dir, world_size, saved_world_size)
     on_every_rank(lambda: check_readable(files[rank::world_size], tag_dir), f"read checkpoint {tag_dir}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading DeepSpeed's files in truneg's commands (eval, fn-stats, export): the manifest, then the safe unpickler
+# ---------------------------------------------------------------------------------------------------
+
+# What DeepSpeed 0.19 pickles beside tensors and plain types (torch.serialization.get_unsafe_globals_in_checkpoint on
+# ZeRO-1/2/3, bf16 and universal tags): ZeRO's optimizer states hold the loss scaler (static in fp32 and bf16, dynamic
+# in fp16) and the stage as an enum, BF16_Optimizer's each parameter's fragment_address. Each is a record of numbers
+# whose unpickling sets attributes, calling nothing a file chooses.
+DEEPSPEED_GLOBALS = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+_warned: set[Path] = set()
+
+
+def load_deepspeed_file(path: Path) -> dict:
+    """One of DeepSpeed's files (model_states, optim_states, a universal form's) with torch's safe unpickler and
+    DEEPSPEED_GLOBALS, memory-mapped where its format allows (the tensors' bytes are read as used). A pickle that
+    needs more (code, as a forged file holds) is refused in one line, unpickled no further."""
+    try:
+        with torch.serialization.safe_globals(list(DEEPSPEED_GLOBALS)):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:  # torch's legacy format (`checkpoint_serialization: false`) has no mmap
+                if "mmap can only be used" not in str(err):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # (torch words it "unsupported GLOBAL x ..." or "Unsupported global: GLOBAL x ...")
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if found is None:  # a pickle cut short or garbled: the caller says the file is damaged
+            raise
+        allowed = ", ".join(f"{g.__module__}.{g.__qualname__}" for g in DEEPSPEED_GLOBALS)
+        raise UserError(f"{path} holds {found[1]}, which DeepSpeed's checkpoints do not (truneg unpickles tensors, "
+                        f"plain types and {allowed}); it was not unpickled: read only checkpoints you trust") from None
+
+
+def verify_before_reading(tag_dir: Path, names: list[str] | None = None) -> None:
+    """Before a truneg command unpickles a tag's files: `names` (default: the tag's every file, those the manifest
+    lacks too: DeepSpeed's zero_to_fp32 reads every *_states.pt it finds) checked against the manifest. A mismatch is
+    one line (UserError); a tag without a manifest, a warning on stderr (once per tag), as resume warns."""
+    manifest = read_manifest(tag_dir)
+    if manifest is None:
+        if tag_dir not in _warned:
+            _warned.add(tag_dir)
+            print(f"truneg: warning: {tag_dir} has no {MANIFEST_FILE} (written before truneg checksummed its "
+                  "checkpoints): its files are read unchecked", file=sys.stderr, flush=True)
+        return
+    names = sorted(set(tag_files(tag_dir)) | set(manifest)) if names is None else names
+    found = [f"{tag_dir / name} is not in {MANIFEST_FILE}: it was added after the save" for name in names
+             if name not in manifest]
+    found += problems(tag_dir, [name for name in names if name in manifest], manifest)
+    if found:
+        more = f" (and {len(found) - 1} more: `truneg verify {tag_dir}` lists them)" if len(found) > 1 else ""
+        raise UserError(f"{found[0]}{more}; nothing was read from it: pass another tag, or this one as it was saved")
