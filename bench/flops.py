@@ -6,7 +6,7 @@ behind the runs' `tflops` and `mfu`), for MFU.
 The profiler counts one forward of the pre-trainer (BERT: encoder + masked-only head; ELECTRA: generator,
 sample, discriminator) at batch 1; a training step costs about 3x the forward (backward = 2x).
 With --samples-per-sec and --peak-tflops (V100 fp16: 125, A100 bf16: 312, H100 bf16: 989) it prints MFU.
-tests/train/test_efficiency.py holds the formula within 2 % of the profiler, in the same way.
+tests/train/test_efficiency.py checks the formula against the profiler in the same way (tolerance: docs/pretraining.md).
 Last line: RESULT <preset>_tflops_per_sample=<x> ... (the profiler's)
 """
 from __future__ import annotations

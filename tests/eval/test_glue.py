@@ -167,6 +167,24 @@ def reference_finetune(model_dir, rows, dev_rows, epochs, lr, batch_size, seed, 
     return model, accuracy, losses
 
 
+# Trainer's dev pass batches the dev set otherwise than these one-batch forwards: fp32 rounding, far below this
+# bound on a logit margin of MiniLM's 6 layers
+BATCHING = 1e-4
+
+
+def flippable(a, b, dev_rows, model_dir) -> int:
+    """Dev examples whose prediction two nearly equal classifiers can disagree on: those whose logit margin (class 1
+    minus class 0) under `a` lies within the two models' largest margin difference (+ BATCHING) of 0."""
+    from transformers import AutoTokenizer
+
+    enc = AutoTokenizer.from_pretrained(model_dir)([r[0] for r in dev_rows], truncation=True, padding="longest",
+                                                   max_length=RECIPE["max_seq_len"], return_tensors="pt")
+    with torch.no_grad():
+        margins = [(m.logits[:, 1] - m.logits[:, 0]) for m in (a.eval()(**enc), b.eval()(**enc))]
+    d = (margins[0] - margins[1]).abs().max().item()
+    return int((margins[0].abs() <= d + BATCHING).sum())
+
+
 def test_finetune_on_trainer_equals_an_independent_reference_loop(trainer_run, minilm_without_dropout, sst2_slice):
     from transformers import AutoModelForSequenceClassification
 
@@ -180,7 +198,9 @@ def test_finetune_on_trainer_equals_an_independent_reference_loop(trainer_run, m
     saved = AutoModelForSequenceClassification.from_pretrained(out / "model")
     for (name, a), (_, b) in zip(saved.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-    assert ours["accuracy"] == pytest.approx(accuracy, abs=0.5 / DEV)  # the same predictions
+    # the same predictions but where the two trainings' small differences can flip one (a wrong program's differ more)
+    flips = flippable(reference, saved, dev, minilm_without_dropout)
+    assert abs(ours["accuracy"] - accuracy) * DEV <= flips + 1e-4 and flips <= DEV // 20  # (+ a float32 mean)
     majority = max(np.mean([r[2] for r in dev]), 1 - np.mean([r[2] for r in dev]))
     assert ours["accuracy"] > majority + 0.1, (ours["accuracy"], majority)  # it learned something
 
@@ -208,9 +228,11 @@ def test_cli_through_deepspeed_matches_the_plain_run_and_shows_progress(tmp_path
     for epoch in (1, 2):
         assert re.search(rf"epoch {epoch}\.00: dev_loss \d\.\d+, dev_accuracy \d\.\d+",
                          proc.stderr), proc.stderr[-3000:]
-    assert results["accuracy"] == pytest.approx(plain["accuracy"], abs=1.5 / DEV)  # at most one prediction differs
     ours = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ds" / "model")
     theirs = AutoModelForSequenceClassification.from_pretrained(plain_dir / "model")
+    # the same predictions but where ZeRO-3's kernels and the two trainings' small differences can flip one
+    flips = flippable(theirs, ours, read_tsv(sst2_slice / "dev.tsv", TASKS["sst2"]), minilm_without_dropout)
+    assert abs(results["accuracy"] - plain["accuracy"]) * DEV <= flips + 1e-4 and flips <= DEV // 20
     for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 

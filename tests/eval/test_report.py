@@ -3,8 +3,10 @@ ablation.json and fn_stats.json; a missing row and a missing cell show as missin
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import statistics
+from fractions import Fraction
 
 import pytest
 
@@ -62,16 +64,17 @@ def test_report_from_hand_written_results_with_missing_rows(tmp_path, results, c
     base, both = rows["baseline"], rows["HC+SR"]
     assert (float(base["RTE"]), float(base["RTE_std"]), float(base["average"])) == pytest.approx((62.0, 2.0, 67.0))
     assert base["delta"] == "" and base["seeds"] == "3"
-    # HC+SR: average of the medians 70 against 67; the spread pairs the seeds: per-seed averages 66, 70, 70.5
-    # against 65, 67, 69
-    assert float(both["average"]) == pytest.approx(70.0) and float(both["delta"]) == pytest.approx(3.0)
+    # HC+SR: average of the medians 70 against 67, but Δ and its spread both pair the seeds: per-seed averages
+    # 66, 70, 70.5 against 65, 67, 69, differences 1, 3, 1.5 (mean 11/6, not 70 - 67)
+    assert float(both["average"]) == pytest.approx(70.0) and float(both["delta"]) == pytest.approx(11 / 6, abs=1e-4)
     assert float(both["delta_std"]) == pytest.approx(statistics.stdev([1.0, 3.0, 1.5]), abs=1e-4)
-    # one seed (42) that the baseline does not have: a delta, no spread
+    # one seed (42) that the baseline does not have: no pair, so no Δ
     one = rows["HC_Embedding"]
-    assert float(one["delta"]) == pytest.approx(69.5 - 67.0) and one["delta_std"] == "" and one["RTE_std"] == ""
+    assert one["delta"] == "" and one["delta_std"] == "" and one["RTE_std"] == ""
     markdown = (out / "glue.md").read_text()
     assert "| SR | – | – | – | – | – |" in markdown
-    assert "| HC+SR | 3 | 75.00 ± 2.31 | 65.00 ± 2.65 | 70.00 | +3.00 ± 1.04 |" in markdown
+    assert "| HC+SR | 3 | 75.00 ± 2.31 | 65.00 ± 2.65 | 70.00 | +1.83 ± 1.04 |" in markdown
+    assert "Δ: the mean over the seeds both rows have of the per-seed difference" in markdown
     assert "truneg report" in markdown and "| 0.00 |" not in markdown
     # Table 2: baseline's checkpoints by step, the uncounted one missing; SR (expected) one missing row
     fn = list(csv.DictReader(open(out / "false_negatives.csv", encoding="utf-8")))
@@ -85,29 +88,79 @@ def test_report_from_hand_written_results_with_missing_rows(tmp_path, results, c
     assert (out / "glue_deltas.png").stat().st_size > 0 and (out / "false_negatives.png").stat().st_size > 0
     assert "wrote" in capsys.readouterr().out
     # each variant against the baseline, paired by seed: HC+SR's per-seed average differences 1, 3, 1.5 (mean 11/6,
-    # sd 1.04, t(0.975, 2) 4.303: the interval holds 0); its MRPC differences 1, 3, 1 (HC has no MRPC: no pairs)
+    # sd 1.04, t(0.975, 2) 4.303: the interval holds 0; all 3 positive: sign-flip p 2/8); its MRPC differences
+    # 1, 3, 1 (HC has no MRPC: no pairs). glue.md's Δ is this row's mean.
     paired = {(r["variant"], r["column"]): r for r in csv.DictReader(open(out / "glue_paired.csv", encoding="utf-8"))}
     average = paired["HC+SR", "Average"]
     half = 4.302653 * statistics.stdev([1.0, 3.0, 1.5]) / 3 ** 0.5
     assert float(average["mean Δ"]) == pytest.approx(11 / 6, abs=0.005) and average["pairs"] == "3"
-    assert average["95% interval"] == f"[{11 / 6 - half:+.2f}, {11 / 6 + half:+.2f}]"
-    assert average["verdict"] == "within noise" and 0.05 < float(average["p (paired t)"]) < 0.2
+    assert average["mean Δ"] == f"{float(both['delta']):+.2f}"
+    assert average["95% t-interval"] == f"[{11 / 6 - half:+.2f}, {11 / 6 + half:+.2f}]"
+    assert average["verdict"] == "within noise" and average["p (sign-flip)"] == "0.250"
     assert paired["HC", "MRPC"]["pairs"] == "0" and paired["HC", "MRPC"]["verdict"] == "no test (< 2 paired seeds)"
     assert paired["HC_Embedding", "RTE"]["pairs"] == "0"  # seed 42: the baseline has none
 
 
-def test_paired_comparison_tells_a_consistent_gain_from_noise():
-    from scipy import stats
+def reference_sign_flip_p(diffs: list[float]) -> float:
+    """Every sign assignment, in exact fractions: the share whose |sum| reaches the observed |sum|."""
+    exact = [Fraction(d) for d in diffs]
+    observed = abs(sum(exact))
+    signs = list(itertools.product((-1, 1), repeat=len(exact)))
+    return sum(abs(sum(s * d for s, d in zip(sign, exact))) >= observed for sign in signs) / len(signs)
 
+
+def test_paired_comparison_tells_a_consistent_gain_from_noise():
     from truneg.eval.paired import paired, verdict
 
-    base = {"1": 60.0, "2": 62.0, "3": 64.0, "4": 61.0}
-    gain = paired({s: v + 2.0 + 0.1 * int(s) for s, v in base.items()}, base)
-    assert verdict(gain) == "better" and gain["low"] > 0 and gain["p"] < 0.001
-    noise = paired({"1": 63.0, "2": 60.0, "3": 65.0, "4": 60.0}, base)
-    assert verdict(noise) == "within noise"
-    assert noise["p"] == pytest.approx(stats.ttest_rel([63, 60, 65, 60], [60, 62, 64, 61]).pvalue)
+    base = {str(s): 60.0 + s for s in range(1, 7)}
+    # 6 seeds, each better: p is 2 of the 64 sign assignments, below 0.05
+    gain = paired({s: v + 2.0 + 0.25 * int(s) for s, v in base.items()}, base)
+    assert gain["p"] == 2 / 64 == reference_sign_flip_p([2.0 + 0.25 * s for s in range(1, 7)])
+    assert verdict(gain) == "better" and gain["low"] > 0 and gain["n"] == 6
+    worse = paired(base, {s: v + 2.0 + 0.25 * int(s) for s, v in base.items()})
+    assert worse["p"] == 2 / 64 and verdict(worse) == "worse"
+    # mixed signs (binary-exact scores): the p of the independent enumeration
+    diffs = [1.0, 2.5, -0.5, 1.5, 3.0, -0.25]
+    mixed = paired({s: base[s] + d for s, d in zip(base, diffs)}, base)
+    assert mixed["p"] == pytest.approx(reference_sign_flip_p(diffs), abs=1e-12) and verdict(mixed) == "within noise"
+    # 3 seeds cannot reach 0.05 (p >= 2/8), though each is better and the t-interval excludes 0
+    three = paired({"1": 62.0, "2": 63.25, "3": 64.5}, {"1": 60.0, "2": 61.0, "3": 62.0})
+    assert three["p"] == 0.25 and three["low"] > 0 and verdict(three) == "within noise"
+    noise = paired({"1": 63.0, "2": 60.0, "3": 65.0, "4": 60.0}, {"1": 60.0, "2": 62.0, "3": 64.0, "4": 61.0})
+    assert noise["p"] == reference_sign_flip_p([3.0, -2.0, 1.0, -1.0]) == 1.0 and verdict(noise) == "within noise"
     assert verdict(paired({"1": 1.0}, {"1": 0.0})) == "no test (< 2 paired seeds)"
+
+
+def test_equal_differences_are_no_test():
+    """The same difference on every seed leaves no spread to measure noise by, and float rounding is no spread:
+    90.1 - 90.0 and 90.2 - 90.1 differ in their last bits, and a t-test would call that a certain gain."""
+    from truneg.eval.paired import paired, verdict
+
+    rounding = paired({"1": 90.1, "2": 90.2, "3": 90.3}, {"1": 90.0, "2": 90.1, "3": 90.2})
+    assert len({90.1 - 90.0, 90.2 - 90.1, 90.3 - 90.2}) > 1  # the example does carry rounding
+    assert verdict(rounding) == "no test (equal differences)" and rounding["mean"] == pytest.approx(0.1)
+    assert rounding["p"] is None and rounding["low"] is None and rounding["n"] == 3
+    for variant in ({"1": 61.0, "2": 63.0, "3": 70.0}, {"1": 60.0, "2": 62.0, "3": 69.0}):
+        assert verdict(paired(variant, {"1": 60.0, "2": 62.0, "3": 69.0})) == "no test (equal differences)"
+    # a spread of 0.01 points, the tables' last digit, is tested
+    assert paired({"1": 61.0, "2": 63.01}, {"1": 60.0, "2": 62.0})["p"] == 2 / 4
+
+
+def test_the_tables_show_no_test_for_equal_differences(tmp_path):
+    """glue_paired and robustness: per-seed differences equal up to rounding read "no test (equal differences)"."""
+    write(tmp_path / "baseline/glue/rte/results.json", seeds_results("rte", {1: 0.900, 2: 0.901, 3: 0.902}))
+    write(tmp_path / "HC/glue/rte/results.json", seeds_results("rte", {1: 0.901, 2: 0.902, 3: 0.903}))
+    for variant, drops in (("baseline", (1.0, 2.0, 3.0)), ("HC", (1.5, 2.5, 3.5))):
+        write(tmp_path / variant / "robustness/sst2/robustness.json", {
+            "task": "sst2", "original": 80.0, "transformed": 78.0, "drop": 2.0, "examples": 9,
+            "per_seed": {str(s): {"drop": d} for s, d in enumerate(drops, 1)}})
+    main(["report", str(tmp_path), "--out", str(tmp_path / "out"), "--tasks", "rte"])
+    row = next(r for r in csv.DictReader(open(tmp_path / "out" / "glue_paired.csv", encoding="utf-8"))
+               if r["column"] == "RTE")
+    assert (row["mean Δ"], row["95% t-interval"], row["p (sign-flip)"], row["verdict"]) == (
+        "+0.10", "–", "–", "no test (equal differences)")
+    assert "| HC | sst2 | 3 | 80.00 | 78.00 | 2.00 | +0.50 | – | no test (equal differences) |" in (
+        tmp_path / "out" / "robustness.md").read_text()
 
 
 def test_report_restricted_to_tasks_and_its_refusals(tmp_path, results, capsys):
@@ -180,3 +233,28 @@ def test_live_evaluations_draw_their_curves_and_table_2_for_runs_without_fn_stat
         main(["report", f"HC={tmp_path / 'base'}", f"HC={tmp_path / 'hc'}", "--out", str(tmp_path / "twice")])
     assert exited.value.code == 2 and not (tmp_path / "twice").exists()
     assert "a second run's evaluations for HC" in capsys.readouterr().err
+
+
+def test_table_2_live_refuses_runs_counted_with_different_tables_and_reads_a_null_auc(tmp_path, capsys):
+    """Each evaluation names the table its Table 2 counted with (`eval_synonym_table`): runs counted with one compare,
+    runs counted with two are refused in one line, exit 2, nothing written. A null AUC (one class only) is no point
+    of its curve."""
+    def evaluation(step, table, auc):
+        return {"step": step, "samples": 8 * step, "eval_mlm_loss": 9.0, "eval_mlm_accuracy": 0.1,
+                "eval_disc_auc": auc, "eval_hc_iter_ratio": 0.1, "eval_hc_pred_ratio": 0.2, "eval_sequences": 96,
+                "eval_masked": 800, "eval_mismatched": 700, "eval_synonym_table": table, "eval_seconds": 0.3}
+
+    for run, table in (("base", "wordnet 0123456789abcdef"), ("hc", "wordnet 0123456789abcdef"),
+                       ("knn", "embeddings fedcba9876543210")):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "metrics.jsonl").write_text(
+            "".join(json.dumps(evaluation(s, table, None if s == 0 else 0.6 + s / 100)) + "\n" for s in (0, 8)))
+    main(["report", f"baseline={tmp_path / 'base'}", f"HC={tmp_path / 'hc'}", "--out", str(tmp_path / "one")])
+    rows = list(csv.DictReader(open(tmp_path / "one" / "eval.csv", encoding="utf-8")))
+    assert [r["eval_disc_auc"] for r in rows] == ["", str(0.6 + 8 / 100)] * 2
+    assert (tmp_path / "one" / "eval_curves.png").is_file()
+    with pytest.raises(SystemExit) as exited:
+        main(["report", f"baseline={tmp_path / 'base'}", f"kNN={tmp_path / 'knn'}", "--out", str(tmp_path / "two")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and not (tmp_path / "two").exists() and len(err.strip().splitlines()) == 1
+    assert "baseline and kNN counted false negatives with different tables" in err

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from conftest import free_port
 
 from truneg.errors import UserError
+from truneg.synonyms.table import SHIPPED_WORDNET_TABLE
 from truneg.train.args import parse_args
 from truneg.train.run_config import RunConfig
 from truneg.train.run_dir import RUN_FILE, claim_output_dir, run_identity
@@ -43,7 +44,8 @@ def test_a_rebuilt_synonym_table_is_another_run_and_an_older_record_resumes_with
     claim_output_dir(cfg, identity(cfg, "table-1"), rank=0)  # the same run resumes
     watched = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--hc", "wordnet", "--output-dir", str(tmp_path),
                                               "--eval-data", "held-out.txt", "--eval-steps", "5",
-                                              "--eval-max-sequences", "64"]))
+                                              "--eval-max-sequences", "64", "--eval-synonyms",
+                                              str(SHIPPED_WORDNET_TABLE)]))
     claim_output_dir(watched, identity(watched, "table-1"), rank=0)  # with (other) evaluation flags too
     with pytest.raises(UserError, match="holds another run's checkpoints"):
         claim_output_dir(cfg, identity(cfg, "table-2"), rank=0)  # same --hc string, another table

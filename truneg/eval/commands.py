@@ -179,10 +179,11 @@ def _add_eval(commands) -> None:
     parser.add_argument("--eval-max-sequences", type=int_at_least(1),
                         help="the first N sequences of --data (default: pretrain.py's --eval-max-sequences default)")
     parser.add_argument("--out", type=Path, help="write the figures to this JSON file (a list, one record a model)")
-    parser.add_argument("--synonyms", help="the false negatives' table (default: the run's HC table saved beside its "
-                        "checkpoints, else the shipped WordNet table)")
+    parser.add_argument("--synonyms", help="the false negatives' table (default: the run's --eval-synonyms table saved "
+                        "beside its checkpoints, else the shipped WordNet table, as a run's live evaluation counts)")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's own, else bert-base-uncased)")
-    parser.add_argument("--batch-size", type=int_at_least(1), default=32, help="sequences per forward (default 32)")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=32, help="sequences per forward (default 32; "
+                        "the run's --micro-batch-size gives its live figures' shapes, so the same figures on the CPU)")
     parser.set_defaults(func=_eval, output_paths=[("out", "--out", False)])
 
 

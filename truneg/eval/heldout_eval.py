@@ -6,7 +6,6 @@ metrics.jsonl's names: for the same step they equal the run's record (exactly on
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -16,8 +15,8 @@ from truneg.data.blocks import open_training_blocks
 from truneg.errors import UserError
 from truneg.eval.checkpoints import checkpoints_tokenizer, discover_checkpoints, load_pretrainer, samples_of
 from truneg.model.pretrainers import BertPretrainer
-from truneg.synonyms.table import SynonymTable
-from truneg.train.heldout import HeldOut, console_line, run_table, wordnet_table
+from truneg.train.heldout import HeldOut, eval_table, run_eval_table
+from truneg.train.records import console_line, dumps
 from truneg.train.run_config import EVAL_MAX_SEQUENCES
 
 
@@ -30,10 +29,10 @@ def evaluate_checkpoints(path: str, data: list[str], generator: str | None = Non
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # One PATH: one model, or the tags of one run, read with one tokenizer and counted with one table
     tok = checkpoints_tokenizer(refs[:1], tokenizer)
-    if synonyms:
-        table = SynonymTable.load(synonyms, expect_tokens=tok.convert_ids_to_tokens(list(range(len(tok)))))
-    else:  # what the run's live ratios counted with
-        table = run_table(refs[0].path.parent, tok) if refs[0].kind == "truneg" else wordnet_table(tok)
+    if synonyms or refs[0].kind != "truneg":
+        table = eval_table(tok, synonyms)
+    else:  # what the run's live ratios counted with: its --eval-synonyms table, else WordNet's (as a run's default)
+        table = run_eval_table(refs[0].path.parent, tok)
     for ref in refs:
         model = load_pretrainer(ref).to(device)
         positions = (model.mlm if isinstance(model, BertPretrainer) else model.generator).config.max_position_embeddings
@@ -49,6 +48,6 @@ def evaluate_checkpoints(path: str, data: list[str], generator: str | None = Non
         records.append(record)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+        out.write_text(dumps(records, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {out}")
     return records

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from truneg.errors import UserError
 from truneg.eval.figures import save_with_footer
-from truneg.train.heldout import EVAL_PREFIX, is_eval_record
+from truneg.train.records import EVAL_PREFIX, is_eval_record
 
 # the curves drawn, where a run has them: (key, axis label)
 CURVES = [("eval_mlm_loss", "MLM loss"), ("eval_mlm_accuracy", "MLM accuracy"), ("eval_disc_auc", "disc. AUC"),
@@ -27,6 +28,20 @@ def live_evaluations(path: Path) -> list[dict]:
         if isinstance(record, dict) and is_eval_record(record):
             records.append(record)
     return sorted(records, key=lambda r: r.get("step", -1))
+
+
+def check_one_table(runs: dict[str, list[dict]]) -> None:
+    """Table 2 live compares runs only if one table counted them all (a run's --eval-synonyms, WordNet's by default):
+    refused otherwise, in one line naming two runs that differ. Records of older runs name none and are taken as
+    they are."""
+    tables = {run: r["eval_synonym_table"] for run, records in runs.items() for r in records
+              if r.get("eval_synonym_table")}
+    if len(set(tables.values())) > 1:
+        (a, table_a), *others = tables.items()
+        b, table_b = next((run, t) for run, t in others if t != table_a)
+        raise UserError(f"the live evaluations of {a} and {b} counted false negatives with different tables "
+                        f"({table_a}; {table_b}): their Table 2 rows do not compare; rerun `truneg eval` of one with "
+                        "the other's --synonyms, or report them apart")
 
 
 def fn_stats_rows(records: list[dict]) -> list[dict]:
@@ -53,7 +68,7 @@ def write_eval(runs: dict[str, list[dict]], out: Path, footer: str) -> list[Path
     for ax, (key, label) in zip(axes, shown):
         scale = 100 if key == "eval_hc_pred_ratio" else 1
         for run, records in runs.items():
-            points = [r for r in records if key in r]
+            points = [r for r in records if r.get(key) is not None]  # null: no figure (an AUC of one class)
             ax.plot([r.get("samples", r["step"]) for r in points], [scale * r[key] for r in points], "o-", label=run)
         ax.set_xlabel("samples seen")
         ax.set_title(label, fontsize=9)

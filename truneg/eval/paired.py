@@ -2,8 +2,11 @@
 
 A fine-tuning seed fixes the classifier's start and the data order, so the runs of two variants under one seed are
 a pair. Per task (and for the average over tasks), with d_s = variant_s - baseline_s over the seeds both have:
-the mean of d, its 95 % t-interval (mean ± t(0.975, n-1) · sd / √n) and the paired t-test's two-sided p. An
-interval that holds 0 is "within noise". Fewer than 2 pairs: no test. The same for SwapSynWordNet's drop.
+the mean of d, its 95 % t-interval (mean ± t(0.975, n-1) · sd / √n, the size of the difference) and the p of an
+exact two-sided sign-flip test (`sign_flip_p`), which the verdict follows: p < 0.05 is "better" or "worse" by the
+mean's sign, else "within noise". With n pairs that p is never below 2/2^n, so fewer than 6 seeds never read
+"better" or "worse". No test: fewer than 2 pairs, or differences equal up to RESOLUTION (their
+spread is then no estimate of the noise). The same for SwapSynWordNet's drop.
 """
 from __future__ import annotations
 
@@ -13,32 +16,57 @@ import math
 import statistics
 from pathlib import Path
 
+import numpy as np
 from scipy import stats
 
 from truneg.eval.variants import VARIANTS, variant_of_folder
 
 CONFIDENCE = 0.95
+# Scores are percentages printed to 0.01: differences whose spread is under half of that are one value (0.1 from
+# 90.1 - 90.0 and from 90.2 - 90.1 differ by float rounding alone), and a table could not show their spread.
+RESOLUTION = 0.005
+EXACT_UP_TO = 16  # pairs: all 2^n sign assignments (65,536 at 16); beyond, a fixed random draw of that many
+NO_PAIRS = "no test (< 2 paired seeds)"
+EQUAL = "no test (equal differences)"
 ROBUSTNESS_FILE = "robustness.json"  # truneg ablation's VARIANT/robustness/TASK/robustness.json (median of seeds)
 
 
+def sign_flip_p(diffs: list[float]) -> float:
+    """The exact two-sided sign-flip (randomization) test of paired differences: under "no difference" each d_s is
+    as likely +|d_s| as -|d_s|, so p is the share of the 2^n sign assignments whose |sum| is at least the observed
+    |sum| (a sum and its negation count alike, so p >= 2/2^n). Past EXACT_UP_TO pairs, a fixed random draw of
+    2^EXACT_UP_TO assignments gives (1 + hits) / (1 + draws)."""
+    d = np.asarray(diffs, dtype=float)
+    if len(d) <= EXACT_UP_TO:
+        signs = 1 - 2 * ((np.arange(2 ** len(d))[:, None] >> np.arange(len(d))) & 1)  # every assignment
+    else:
+        signs = np.random.default_rng(0).choice([-1, 1], size=(2 ** EXACT_UP_TO, len(d)))
+    # a sum of the same terms in another order may differ in its last bits: those count as ties
+    hits = int(np.count_nonzero(np.abs(signs @ d) >= abs(d.sum()) - 1e-9))
+    return hits / len(signs) if len(d) <= EXACT_UP_TO else (1 + hits) / (1 + len(signs))
+
+
 def paired(variant: dict[str, float], baseline: dict[str, float]) -> dict:
-    """The comparison of two {seed: score} maps over the seeds both have: n, mean difference, its interval, p."""
+    """The comparison of two {seed: score} maps over the seeds both have: n, the mean difference and, where tested
+    (see the module's docstring), its 95 % t-interval (low, high) and the sign-flip test's p; None where not; sd:
+    the differences' standard deviation (2 pairs or more)."""
     seeds = sorted(set(variant) & set(baseline))
     diffs = [variant[s] - baseline[s] for s in seeds]
-    out = {"n": len(diffs), "mean": statistics.fmean(diffs) if diffs else None, "low": None, "high": None, "p": None}
-    if len(diffs) >= 2:
-        sd = statistics.stdev(diffs)
-        half = stats.t.ppf(0.5 + CONFIDENCE / 2, len(diffs) - 1) * sd / math.sqrt(len(diffs))
-        out.update(low=out["mean"] - half, high=out["mean"] + half,
-                   p=float(stats.ttest_rel(*zip(*[(variant[s], baseline[s]) for s in seeds])).pvalue)
-                   if sd > 0 else (1.0 if out["mean"] == 0 else 0.0))
+    out = {"n": len(diffs), "mean": statistics.fmean(diffs) if diffs else None, "low": None, "high": None, "p": None,
+           "sd": statistics.stdev(diffs) if len(diffs) >= 2 else None}
+    if len(diffs) >= 2 and max(diffs) - min(diffs) >= RESOLUTION:
+        half = stats.t.ppf(0.5 + CONFIDENCE / 2, len(diffs) - 1) * out["sd"] / math.sqrt(len(diffs))
+        out.update(low=out["mean"] - half, high=out["mean"] + half, p=sign_flip_p(diffs))
     return out
 
 
 def verdict(test: dict) -> str:
-    if test["low"] is None:
-        return "no test (< 2 paired seeds)"
-    return "within noise" if test["low"] <= 0 <= test["high"] else ("better" if test["low"] > 0 else "worse")
+    """The test's reading: no test (and why), within noise (p >= 0.05), else better or worse by the mean's sign."""
+    if test["p"] is None:
+        return NO_PAIRS if test["n"] < 2 else EQUAL
+    if test["p"] >= 1 - CONFIDENCE:
+        return "within noise"
+    return "better" if test["mean"] > 0 else "worse"
 
 
 def _row(variant: str, column: str, test: dict) -> list[str]:
@@ -49,7 +77,11 @@ def _row(variant: str, column: str, test: dict) -> list[str]:
     return [variant, column, str(test["n"]), f"{test['mean']:+.2f}", interval, p, verdict(test)]
 
 
-HEADER = ["variant", "column", "pairs", "mean Δ", f"{CONFIDENCE:.0%} interval", "p (paired t)", "verdict"]
+HEADER = ["variant", "column", "pairs", "mean Δ", f"{CONFIDENCE:.0%} t-interval", "p (sign-flip)", "verdict"]
+CAPTION = (f"Δ: the mean over the seeds both rows have of the per-seed difference, with its {CONFIDENCE:.0%} "
+           f"t-interval. p: exact two-sided sign-flip test over those differences (never below 2/2^pairs); "
+           f"p < {1 - CONFIDENCE:.2f} reads better or worse, else within noise. No test: fewer than 2 paired seeds, "
+           f"or differences that spread less than {RESOLUTION} points (equal at the tables' resolution).")
 
 
 def write_glue_paired(columns: list[str], rows: list[dict], out: Path, footer: str, baseline: str) -> list[Path]:
@@ -63,7 +95,7 @@ def write_glue_paired(columns: list[str], rows: list[dict], out: Path, footer: s
             table.append(_row(row["variant"], column, paired(row["by_seed"][column], base["by_seed"][column])))
         table.append(_row(row["variant"], "Average", paired(row["seed_averages"], base["seed_averages"])))
     return _write("glue_paired", f"GLUE dev: each variant minus {baseline}, paired by fine-tuning seed", table, out,
-                  footer)
+                  CAPTION + "\n\n" + footer)
 
 
 def gather_robustness(arguments: list[str]) -> dict[tuple[str, str], dict]:
@@ -80,8 +112,8 @@ def gather_robustness(arguments: list[str]) -> dict[tuple[str, str], dict]:
 def write_robustness(found: dict[tuple[str, str], dict], out: Path, footer: str, baseline: str) -> list[Path]:
     """SwapSynWordNet (paper Table 5): per variant the median original and transformed scores and the drop, and
     each variant's drop minus the baseline's, paired by seed (a smaller drop is the more robust model)."""
-    lines = ["| variant | task | seeds | original | transformed | drop | Δ drop vs baseline, 95 % interval | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| variant | task | seeds | original | transformed | drop | Δ drop vs baseline, {CONFIDENCE:.0%} "
+             "t-interval | p (sign-flip) | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     known = list(VARIANTS)
     for (variant, task), record in sorted(found.items(), key=lambda item: (
             item[0][1], item[0][0] != baseline, known.index(item[0][0]) if item[0][0] in known else len(known))):
@@ -89,13 +121,13 @@ def write_robustness(found: dict[tuple[str, str], dict], out: Path, footer: str,
         base = found.get((baseline, task))
         test = paired(drops, {s: r["drop"] for s, r in base["per_seed"].items()}) if base and variant != baseline \
             else None
-        interval = "–" if test is None or test["low"] is None else (f"{test['mean']:+.2f} "
-                                                                    f"[{test['low']:+.2f}, {test['high']:+.2f}]")
+        mean, interval, p, mark = ["–"] * 4 if test is None else _row(variant, task, test)[3:]
+        shown = mean if interval == "–" else f"{mean} {interval}"  # a mean without a test stands alone
         lines.append(f"| {variant} | {task} | {len(drops)} | {record['original']:.2f} | {record['transformed']:.2f} | "
-                     f"{record['drop']:.2f} | {interval} | {'–' if test is None else verdict(test)} |")
+                     f"{record['drop']:.2f} | {shown} | {p} | {mark} |")
     (out / "robustness.md").write_text("\n".join([f"# SwapSynWordNet ({next(iter(found.values()))['examples']} "
                                                   "transformed dev examples; medians over seeds)", "", *lines, "",
-                                                  footer]) + "\n", encoding="utf-8")
+                                                  CAPTION, "", footer]) + "\n", encoding="utf-8")
     return [out / "robustness.md"]
 
 

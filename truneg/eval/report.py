@@ -25,13 +25,17 @@ from matplotlib.figure import Figure
 
 from truneg.errors import UserError
 from truneg.eval.figures import save_with_footer
-from truneg.eval.live_report import fn_stats_rows, live_evaluations, write_eval
-from truneg.eval.paired import gather_robustness, write_glue_paired, write_robustness
+from truneg.eval.live_report import check_one_table, fn_stats_rows, live_evaluations, write_eval
+from truneg.eval.paired import gather_robustness, paired, write_glue_paired, write_robustness
 from truneg.eval.variants import AVERAGED, BASELINE, GLUE_COLUMNS, VARIANTS, variant_of_folder
 
 # Folders a result file sits in that name no variant (the ablation's layout: VARIANT/glue/TASK, VARIANT/fn)
 LAYOUT_FOLDERS = {"glue", "squad", "fn", "fn-stats", "fn_stats"}
 MISSING = "–"
+GLUE_CAPTION = ("Cells: median over seeds ± their standard deviation. Average: the mean of the columns' medians "
+                "(MNLI once, matched). Δ: the mean over the seeds both rows have of the per-seed difference of "
+                "averages ± its standard deviation (glue_paired.md's Average row; – where they share no seed); it need "
+                "not equal the difference of the Average column.")
 
 
 @dataclass
@@ -134,8 +138,8 @@ def _std(values) -> float | None:
 
 def glue_rows(found: Found, tasks: list[str], baseline: str = BASELINE) -> tuple[list[str], list[dict]]:
     """The GLUE table: columns, and per variant each column's median and std over seeds, the average (of the
-    medians over the averaged columns; missing if one is), the Δ against the baseline's average and its spread
-    (the std over the seeds both have of the per-seed difference of averages)."""
+    medians over the averaged columns; missing if one is), and the Δ against the baseline with its spread: the mean
+    and std over the seeds both rows have of the per-seed difference of averages (glue_paired's Average row)."""
     columns = [(task, column, metric) for task, column, metric in GLUE_COLUMNS if task in tasks]
     averaged = [c for _, c, _ in columns if c in AVERAGED]
     variants = _order([v for v, _ in found.glue] + found.variants + [baseline])
@@ -155,11 +159,9 @@ def glue_rows(found: Found, tasks: list[str], baseline: str = BASELINE) -> tuple
         rows.append(row)
     base = next(r for r in rows if r["variant"] == baseline)
     for row in rows:
-        row["delta"] = row["delta_std"] = None
-        if row is not base and row["average"] is not None and base["average"] is not None:
-            row["delta"] = row["average"] - base["average"]
-            paired = set(row["seed_averages"]) & set(base["seed_averages"])
-            row["delta_std"] = _std(row["seed_averages"][s] - base["seed_averages"][s] for s in paired)
+        # one estimator for Δ and its spread: a difference of the averages of medians would pair no seeds
+        test = paired(row["seed_averages"], base["seed_averages"]) if row is not base else {"mean": None, "sd": None}
+        row["delta"], row["delta_std"] = test["mean"], test["sd"]
     return [c for _, c, _ in columns], rows
 
 
@@ -182,8 +184,8 @@ def write_glue(columns: list[str], rows: list[dict], out: Path, footer: str, bas
         delta = "–" if row["variant"] == baseline else _fmt(row["delta"], row["delta_std"], sign=True)
         lines.append("| " + " | ".join([row["variant"], str(row["seeds"] or MISSING), *cells, _fmt(row["average"]),
                                         delta]) + " |")
-    (out / "glue.md").write_text("\n".join(["# GLUE dev (paper Tables 3 and 6)", "", *lines, "", footer]) + "\n",
-                                 encoding="utf-8")
+    (out / "glue.md").write_text("\n".join(["# GLUE dev (paper Tables 3 and 6)", "", *lines, "", GLUE_CAPTION, "",
+                                            footer]) + "\n", encoding="utf-8")
     with open(out / "glue.csv", "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
         writer.writerow(["variant", "seeds", *[f"{c}{s}" for c in columns for s in ("", "_std")], "average", "delta",
@@ -204,7 +206,7 @@ def write_glue(columns: list[str], rows: list[dict], out: Path, footer: str, bas
     ax.set_xlim(-0.6, max(len(others), 1) - 0.4)
     ax.set_xticks(range(len(others)), [r["variant"] for r in others])
     ax.set_ylabel(f"Δ average GLUE dev vs {baseline} (points)")
-    ax.set_title("Each variant's change, median over seeds (bars: std over seeds)")
+    ax.set_title("Each variant's mean per-seed change (bars: std over paired seeds)")
     save_with_footer(figure, footer, out / "glue_deltas.png", width=150, margin=0.05)
     return [out / "glue.md", out / "glue.csv", out / "glue_deltas.png"]
 
@@ -266,6 +268,7 @@ def report(arguments: list[str], out: str | Path, tasks: list[str] | None = None
            command: str = "truneg report") -> list[Path]:
     """Write the tables that the results found allow; return the files written."""
     found = gather(arguments)
+    check_one_table(found.eval_runs)  # Table 2 live compares runs counted with one table only
     for run, records in found.eval_runs.items():  # Table 2 live, for a run without fn_stats.json
         found.fn_runs.setdefault(run, fn_stats_rows(records))
     if not found.glue and not found.fn_runs:

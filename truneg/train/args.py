@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "save)")
     parser.add_argument("--eval-max-sequences", type=int,
                         help=f"the first N sequences of --eval-data, over all ranks (default {EVAL_MAX_SEQUENCES})")
+    parser.add_argument("--eval-synonyms", help="the table the eval's Table 2 counts false negatives with, the same "
+                        "for every run to be compared (a FILE.npz of `truneg synonyms build`; default: the shipped "
+                        "WordNet table, whatever --hc is)")
     parser.add_argument("--output-dir", type=Path, default=Path(DEFAULT_OUTPUT_DIR))
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--init-from", help="continue pre-training from an HF checkpoint: a folder, or a model name "
@@ -197,8 +200,14 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     if args.peak_tflops is not None and (problem := out_of_range(args.peak_tflops, 0, low_open=True)):
         problems.append(f"--peak-tflops {problem}")
     problems += profile_problems(args.profile_steps, args.profile_ranks, args.max_steps)
-    if not args.eval_data and (args.eval_steps is not None or args.eval_max_sequences is not None):
-        problems.append("--eval-steps and --eval-max-sequences set the held-out evaluation: pass --eval-data too")
+    if not args.eval_data and (args.eval_steps is not None or args.eval_max_sequences is not None
+                               or args.eval_synonyms is not None):
+        problems.append("--eval-steps, --eval-max-sequences and --eval-synonyms set the held-out evaluation: pass "
+                        "--eval-data too")
+    elif args.eval_synonyms is not None and not (args.eval_synonyms.endswith(".npz")
+                                                 and Path(args.eval_synonyms).is_file()):
+        problems.append(f"--eval-synonyms {args.eval_synonyms} is not a table file: pass a FILE.npz built by "
+                        "`truneg synonyms build`")
     if args.overwrite and args.resume not in ("auto", "none"):  # it would start afresh, the checkpoint unread
         problems.append(f"--overwrite starts afresh, --resume {args.resume} continues a checkpoint: to continue it in "
                         "a folder that holds another run, choose an empty --output-dir instead")

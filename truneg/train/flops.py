@@ -5,7 +5,7 @@ What counts: every matrix product of the forward, at 2 FLOPs a multiply-add, as 
 the PaLM / Megatron MFU convention count them; a training step is 3 forwards (the backward costs 2). What does
 not: the elementwise ops (LayerNorm, GELU, softmax, dropout, the losses), the embedding lookups, HC's lookup, SR's
 cosine or KL and the optimizer (together under 0.4 % of the profiler's count for the tiny presets, less for the
-larger ones; tests/train/test_efficiency.py holds the formula within 2 % of the profiler).
+larger ones; how close tests/train/test_efficiency.py holds the formula to the profiler: docs/pretraining.md).
 
 The pre-trainers as they run:
 - BERT: the encoder over all positions, and the MLM head (its transform and the decoder over the vocabulary)

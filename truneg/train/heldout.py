@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -41,35 +42,47 @@ if TYPE_CHECKING:
     from truneg.train.run_config import RunConfig
 
 EVAL_SEED = 0  # fn-stats' default seed: not --seed, so that runs of different seeds see the same masks
-EVAL_PREFIX = "eval_"
-SYNONYMS_FILE = "synonyms.npz"  # the run's HC table, in checkpoints/hf_config/: what its live FN ratios count with
+EVAL_SYNONYMS_FILE = "eval_synonyms.npz"  # --eval-synonyms' table, in checkpoints/hf_config/: `truneg eval`'s default
 _FIXED_POINT = 2.0**24  # a loss summed as integer multiples of 2^-24 in float64: exact, so in any order
 _SAMPLE_STREAM = 1  # numpy seed [seed, 0, index, 1]: a stream apart from the masks' [seed, epoch, index]
 
 
-def is_eval_record(record: dict) -> bool:
-    """An evaluation's line in metrics.jsonl (it has no `loss`; a training interval of skipped steps has none too)."""
-    return any(key.startswith(EVAL_PREFIX) for key in record)
-
-
 def wordnet_table(tokenizer: PreTrainedTokenizerBase) -> SynonymTable:
-    """What a run without HC counts false negatives with: the shipped WordNet table, or one built for another vocab."""
+    """What Table 2 live counts with by default: the shipped WordNet table, or one built for another vocab."""
     return wordnet_for_vocab(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
 
 
-def run_table(checkpoint_dir: Path, tokenizer: PreTrainedTokenizerBase) -> SynonymTable:
-    """The table a run's live ratios counted with: its HC table saved beside its configs, else WordNet's."""
-    saved = checkpoint_dir / HF_CONFIG_DIR / SYNONYMS_FILE
-    if saved.is_file():
-        return SynonymTable.load(saved, expect_tokens=tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-    return wordnet_table(tokenizer)
+def eval_table(tokenizer: PreTrainedTokenizerBase, path: str | Path | None = None) -> SynonymTable:
+    """The one table every run's Table 2 live counts with, whatever its own HC table (so that a kNN run's ratios
+    compare with its baseline's): `path` (--eval-synonyms), else WordNet's."""
+    if path is None:
+        return wordnet_table(tokenizer)
+    return SynonymTable.load(path, expect_tokens=tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+
+
+def table_label(table: SynonymTable) -> str:
+    """The eval records' `eval_synonym_table`: the table's source and content hash (the same however it was found)."""
+    return f"{table.source} {table.content_sha256[:16]}"
+
+
+def run_eval_table(checkpoint_dir: Path, tokenizer: PreTrainedTokenizerBase) -> SynonymTable:
+    """The table a run's live ratios counted with: its --eval-synonyms table saved beside its configs, else
+    WordNet's."""
+    saved = checkpoint_dir / HF_CONFIG_DIR / EVAL_SYNONYMS_FILE
+    return eval_table(tokenizer, saved if saved.is_file() else None)
 
 
 def prepare_eval_data(cfg: RunConfig, start: Start, world_size: int) -> Path | None:
     """Before any process group, on each node's local rank 0: --eval-data prepared and cached as --train-data is,
-    and refused (one line) when it is missing, empty, or shorter than one micro-batch per rank."""
+    and refused (one line) when it is missing, empty, or shorter than one micro-batch per rank, or --eval-synonyms
+    was built for another vocab."""
     if not cfg.eval_data or int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return None
+    if cfg.eval_synonyms:
+        try:
+            eval_table(start.tokenizer, cfg.eval_synonyms)
+        except UserError as err:
+            raise UserError(f"--eval-synonyms: {err}") from None
     try:
         folder = ensure_prepared(cfg.eval_data, start.tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
         found = len(open_prepared(folder, start.tokenizer, cfg.seq_len))
@@ -89,11 +102,11 @@ def open_eval_blocks(cfg: RunConfig, start: Start, prepared: Path | None) -> Pre
     return open_blocks(replace(cfg, train_data=cfg.eval_data), replace(start, prepared=prepared))[0]
 
 
-def save_run_table(table: SynonymTable | None, checkpoint_dir: Path) -> None:
-    """Rank 0: the run's HC table beside its configs, so that `truneg eval` counts offline with the table the live
-    ratios used (one built from embeddings exists nowhere else)."""
-    if table is not None:
-        table.save(checkpoint_dir / HF_CONFIG_DIR / SYNONYMS_FILE)
+def save_eval_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Rank 0: --eval-synonyms' table beside the run's configs, so that `truneg eval` of its checkpoints counts
+    offline with the table the live ratios used (WordNet's, without the flag, is its default anyway)."""
+    if cfg.eval_data and cfg.eval_synonyms:
+        eval_table(tokenizer, cfg.eval_synonyms).save(cfg.checkpoint_dir / HF_CONFIG_DIR / EVAL_SYNONYMS_FILE)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,13 +169,23 @@ def disc_sums(discriminator: torch.nn.Module, batch: dict, sample: torch.Tensor,
     disc_input = fill_masked(batch["input_ids"], batch["masked_positions"], batch["masked_valid"], sample)
     labels = disc_input != batch["original_ids"]
     hidden = discriminator.electra(input_ids=disc_input).last_hidden_state  # packed blocks: no padding
-    logits = discriminator.discriminator_predictions(hidden).float()
+    logits = disc_logits_fp32(discriminator.discriminator_predictions, hidden)
     per_token = F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none")
     said = logits > 0
     sums = {"disc_loss": _fixed(per_token, tokens), "disc_tokens": tokens.sum(),
             "disc_correct": ((said == labels) & tokens).sum(), "disc_true_positive": (said & labels & tokens).sum(),
             "disc_said_replaced": (said & tokens).sum(), "disc_replaced": (labels & tokens).sum()}
     return {k: v.double() for k, v in sums.items()}, logits, labels
+
+
+def disc_logits_fp32(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """ELECTRA's discriminator head (dense, activation, dense_prediction: HF's ElectraDiscriminatorPredictions) in
+    fp32 whatever the run's dtype: bf16 logits keep 8 bits, so many scores tie and the AUC drops (a tie counts
+    half). Under ZeRO-3 the head's weights are gathered whole for it (a no-op otherwise)."""
+    with deepspeed.zero.GatheredParameters(list(head.parameters())):
+        x = F.linear(hidden.float(), head.dense.weight.float(), head.dense.bias.float())
+        return F.linear(head.activation(x), head.dense_prediction.weight.float(),
+                        head.dense_prediction.bias.float()).squeeze(-1)
 
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -181,7 +204,7 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
 
 
-def metrics_of(totals: dict[str, float], auc: float | None = None) -> dict[str, float]:
+def metrics_of(totals: dict[str, float], auc: float | None = None) -> dict[str, float | None]:
     """The eval's figures under metrics.jsonl's names, from the summed counts (ELECTRA's where `disc_tokens` is)."""
     masked = max(totals["masked"], 1.0)
     loss = totals["mlm_loss"] / _FIXED_POINT / masked
@@ -191,7 +214,7 @@ def metrics_of(totals: dict[str, float], auc: float | None = None) -> dict[str, 
     else:
         out["eval_mlm_sampled_accuracy"] = totals["mlm_sampled_correct"] / masked
         out["eval_disc_loss"] = totals["disc_loss"] / _FIXED_POINT / max(totals["disc_tokens"], 1.0)
-        out["eval_disc_auc"] = auc
+        out["eval_disc_auc"] = None if auc is None or math.isnan(auc) else auc  # one class only: no AUC (JSON null)
         out["eval_disc_accuracy"] = totals["disc_correct"] / max(totals["disc_tokens"], 1.0)
         out["eval_disc_precision"] = totals["disc_true_positive"] / max(totals["disc_said_replaced"], 1.0)
         out["eval_disc_recall"] = totals["disc_true_positive"] / max(totals["disc_replaced"], 1.0)
@@ -200,6 +223,9 @@ def metrics_of(totals: dict[str, float], auc: float | None = None) -> dict[str, 
     out["eval_sequences"] = int(totals["sequences"])
     out["eval_masked"] = int(totals["masked"])
     out["eval_mismatched"] = int(totals["mismatched"])  # the prediction ratio's denominator
+    if "disc_tokens" in totals:  # the AUC's positives and all its tokens: two AUCs compare by pairs out of P x N
+        out["eval_disc_replaced"] = int(totals["disc_replaced"])
+        out["eval_disc_tokens"] = int(totals["disc_tokens"])
     return out
 
 
@@ -227,6 +253,7 @@ class HeldOut:
         batch["rows"] = real
         self.batches = [{k: v[s:s + micro_batch].to(device) for k, v in batch.items()}
                         for s in range(0, padded, micro_batch)]
+        self.table_label = table_label(table) if isinstance(table, SynonymTable) else None
         if isinstance(table, SynonymTable):
             table = SynonymLookup(table).to(device)
         self.lookup, self.count, self.world_size = table, count, world_size
@@ -234,12 +261,11 @@ class HeldOut:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
-                tokenizer: PreTrainedTokenizerBase, table: SynonymTable | None) -> HeldOut:
-        """A run's evaluation: its micro-batch shape and rank, and its HC table (WordNet's for a run without HC)."""
-        lookup = engine.module.hc_lookup if table is not None else wordnet_table(tokenizer)
+                tokenizer: PreTrainedTokenizerBase) -> HeldOut:
+        """A run's evaluation: its micro-batch shape and rank, and the one eval table (not the run's HC table)."""
         heldout = cls(blocks, tokenizer, engine.module.scheme, cfg.eval_max_sequences,
-                      engine.train_micro_batch_size_per_gpu(), lookup, engine.device, dist.get_rank(),
-                      dist.get_world_size())
+                      engine.train_micro_batch_size_per_gpu(), eval_table(tokenizer, cfg.eval_synonyms), engine.device,
+                      dist.get_rank(), dist.get_world_size())
         heldout.every, heldout.last = cfg.eval_steps or cfg.save_steps, cfg.max_steps
         return heldout
 
@@ -256,10 +282,11 @@ class HeldOut:
             dist.all_reduce(sums)
             scores = None if scores is None else tuple(_gathered(t) for t in scores)
         totals = dict(zip(keys, sums.tolist()))  # the eval's one host sync (with the AUC's, for ELECTRA)
+        table = {} if self.table_label is None else {"eval_synonym_table": self.table_label}
         if scores is None:
-            return metrics_of(totals)
+            return {**metrics_of(totals), **table}
         logits, labels, counted = scores
-        return metrics_of(totals, roc_auc(logits[counted], labels[counted]))
+        return {**metrics_of(totals, roc_auc(logits[counted], labels[counted])), **table}
 
     def local_sums(self, model: torch.nn.Module) -> tuple[list[str], torch.Tensor, tuple | None]:
         """This rank's share: the names and float64 sums of its counts, and for ELECTRA the discriminator's
@@ -311,10 +338,3 @@ def _gathered(tensor: torch.Tensor) -> torch.Tensor:
     out = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
     dist.all_gather_single(out, tensor.contiguous())
     return out
-
-
-def console_line(record: dict) -> str:
-    shown = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_perplexity", "eval_disc_auc", "eval_disc_accuracy",
-             "eval_hc_iter_ratio", "eval_hc_pred_ratio")
-    figures = "  ".join(f"{k.removeprefix(EVAL_PREFIX)} {record[k]:.4f}" for k in shown if k in record)
-    return f"eval step {record['step']}  {figures}  ({record['eval_seconds']:.1f} s)"

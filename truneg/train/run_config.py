@@ -60,6 +60,7 @@ class RunConfig:
     eval_data: list[str] | None  # held-out text (truneg.train.heldout); None: no evaluation
     eval_steps: int | None  # None: at each checkpoint save (and always at step 0 and the last step)
     eval_max_sequences: int
+    eval_synonyms: str | None  # Table 2 live's table; None: the shipped WordNet table
     # output, checkpoints, resume
     output_dir: Path
     save_steps: int
