@@ -62,10 +62,14 @@ def main(argv: list[str] | None = None) -> None:
         state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer)
 
     # 7. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.
-    loop.train(cfg, engine, state)
+    try:
+        loop.train(cfg, engine, state)
+    finally:  # its ZeRO optimizer's gradient hooks, held by autograd, keep it (and DeepSpeed's group) past gc
+        engine.destroy()
 
 
 if __name__ == "__main__":
-    main()
-    # The process's end, not main's: benchmarks and tests call main() several times in one process group.
-    distributed.shutdown()
+    # The process's end, not main's (benchmarks and tests call main() several times in one process group): its
+    # groups destroyed on every way out, as a gloo group alive in the interpreter's teardown aborts a rank now and
+    # then (exit -6 where a diverged run's rank says its line and exits 2).
+    distributed.run_then_exit(main)

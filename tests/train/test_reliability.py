@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    EXIT_PROBE,
     MAX_STEPS,
     REPO,
     SAVE_STEPS,
@@ -132,8 +133,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
 
     from truneg.errors import exit_on_user_error
     from truneg.train.build import checked_start
-    from truneg.train.distributed import launch_world_size
     from truneg.train.heldout import prepare_eval_data
+    from truneg.train.distributed import launch_world_size
 
     def start_checks(argv: list[str]) -> None:  # pretrain.py's, before its process group
         cfg, start = checked_start(argv)
@@ -422,6 +423,20 @@ def test_preemption_saves_at_the_next_step_and_resumes_exactly(runs, tmp_path, l
     assert [r for r in evals if r["step"] % SAVE_STEPS == 0] == reference_evals and len(reference_evals) == 4
 
 
+# EXIT_PROBE, and what a destroyed default group alone does not show: the threads of gloo's groups and of rank 0's
+# store still running at exit (DeepSpeed's clone of the world outlives destroy_process_group while its engine is
+# alive: its ZeRO optimizer's gradient hooks, held by autograd, keep it past gc).
+THREADS_AT_EXIT_PROBE = EXIT_PROBE + '''
+def _threads():
+    if "RANK" in os.environ and "torch.distributed" in sys.modules:
+        names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+        comm = sorted(name for name in names if name.startswith(("gloo", "pt_gloo", "pt_tcpstore")))
+        os.write(1, f"rank {os.environ['RANK']} at exit: comm threads {comm}\\n".encode())
+
+atexit.register(_threads)
+'''
+
+
 def tag_names(checkpoints: Path) -> set[str]:
     """The tag folders a save has begun: not the `*.deleting` folder a save into an existing tag first renames
     the old one to."""
@@ -495,12 +510,16 @@ def test_a_stopped_rank_and_diverged_replicas_stop_the_run_with_one_line_naming_
                                                                                       small_corpus):
     """Two faults that crash nothing, two 2-rank runs at once, each started as mpirun starts them (no launcher to
     stop the others when one rank ends):
-    - rank 1 stopped with SIGSTOP mid-run: rank 0 waits in the step's all-reduce, and its watchdog, past
+    - rank 1 stopped with SIGSTOP mid-run: rank 0 waits in a collective of the step, and its watchdog, past
       --step-timeout, writes rank 0's stack into the output folder, names rank 1 in one line and exits, where
       without it rank 0 would wait the collective timeout (10 minutes) and say nothing of who was behind;
     - TRUNEG_INJECT_DIVERGE=8: rank 1 changes one weight after step 8's update; the replica check before step 8's
       checkpoint (8 is no multiple of --replica-check-steps 3) stops both ranks naming rank 1 and the parameter,
-      and `latest` stays the checkpoint of step 4."""
+      and `latest` stays the checkpoint of step 4; each leaves with its process groups destroyed and their
+      threads ended (THREADS_AT_EXIT_PROBE), as a group left alive at sys.exit(2) aborted rank 0 in the
+      interpreter's teardown now and then (exit -6, not 2).
+    Every assertion holds beside other work (a second pytest, `stress`): none but the watchdog's bound is timed,
+    and that bound is the watchdog's own arithmetic (below), not this machine's speed."""
     base = ["--model", "bert-tiny", "--deepspeed_config", str(REPO / "ds_configs" / "cpu_zero2.json"), "--train-data",
             str(small_corpus), "--seq-len", "64", "--micro-batch-size", "2", "--log-steps", "1"]
     hang_out, diverge_out = tmp_path / "hang", tmp_path / "diverge"
@@ -509,16 +528,25 @@ def test_a_stopped_rank_and_diverged_replicas_stop_the_run_with_one_line_naming_
     diverge_args = [*base, "--output-dir", str(diverge_out), "--max-steps", "12", "--save-steps", "4",
                     "--replica-check-steps", "3"]
     logs = {name: [tmp_path / f"{name}{rank}.log" for rank in range(2)] for name in ("hang", "diverge")}
-    hang = start_as_mpirun(launch_env, free_port(), [hang_args] * 2, logs["hang"])
-    diverge = start_as_mpirun({**launch_env, "TRUNEG_INJECT_DIVERGE": "8"}, free_port(), [diverge_args] * 2,
+    probe = tmp_path / "exit_probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(THREADS_AT_EXIT_PROBE)
+    env = {**launch_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(probe), launch_env.get("PYTHONPATH")]))}
+    hang = start_as_mpirun(env, free_port(), [hang_args] * 2, logs["hang"])
+    diverge = start_as_mpirun({**env, "TRUNEG_INJECT_DIVERGE": "8"}, free_port(), [diverge_args] * 2,
                               logs["diverge"])
     try:
         assert wait_for(lambda: len(read_metrics(hang_out)) >= 3 or hang[0].poll() is not None, timeout=240)
         os.kill(hang[1].pid, signal.SIGSTOP)
         stopped = time.monotonic()
         hang[0].wait(timeout=120)
-        # within the timeout plus the watchdog's beat and its two reads of the beats (4 s at 8 s), far below the
-        # collective timeout (10 minutes)
+        # The bound, from the watchdog's arithmetic: rank 0's step began before the SIGSTOP, or after at most the
+        # rest of rank 0's own step (it passes no collective rank 1 has not joined); 8 s after it, the thread sees
+        # it within a beat (1.6 s at 8 s), reads the beats twice 2.5 beats (4 s) apart from rank 0's own store
+        # (milliseconds), dumps one stack and leaves by os._exit: 13.6 s and rank 0's rest of a step (a tenth of
+        # a second, a few beside other work). The 10 s left are for the scheduler: the thread sleeps between
+        # wakes, so a loaded CPU delays each wake by a time slice, not seconds. Far below the collective timeout
+        # (10 minutes).
         assert time.monotonic() - stopped < 8 + 16
         for proc in diverge:
             proc.wait(timeout=240)
@@ -534,11 +562,19 @@ def test_a_stopped_rank_and_diverged_replicas_stop_the_run_with_one_line_naming_
                         rf"seen in step \d+\); every running rank's stack is in {hang_out / 'hang'}\. .*", line), line
     step = re.search(r"step (\d+) ran past", line)[1]
     stacks = (hang_out / "hang" / f"step{step}_rank00000.stacks.txt").read_text()
-    assert "in all_reduce" in stacks and "train_step" in stacks, stacks  # where rank 0 waited for rank 1
+    # where rank 0 waited for rank 1: in the loop, in whichever collective rank 1 had not joined when it was stopped
+    # (the step's all-reduces mostly; the all-gather of the weights if in its optimizer's step, the metrics'
+    # all-reduce if in its bookkeeping after the step)
+    assert re.search(r"distributed_c10d\.py\", line \d+ in (all_reduce|all_gather_into_tensor)\n", stacks) \
+        and re.search(r"loop\.py\", line \d+ in _train\n", stacks), stacks
+    # it left by os._exit: no interpreter teardown, so no gloo destructor to abort in
+    assert "at exit: process group" not in hang_log, hang_log[-3000:]
 
     for rank, proc in enumerate(diverge):
         log = logs["diverge"][rank].read_text()
         assert proc.returncode == 2 and "Traceback" not in log, log[-3000:]
+        assert f"rank {rank} at exit: process group destroyed" in log, log[-3000:]
+        assert f"rank {rank} at exit: comm threads []" in log, log[-3000:]
         [line] = [line for line in log.splitlines() if line.startswith("truneg: error: ")]
         assert line.startswith(
             "truneg: error: the data-parallel replicas diverged by step 8: rank 1's weights differ from rank 0's, "

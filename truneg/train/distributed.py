@@ -2,13 +2,17 @@
 each GPU process, two workarounds for DeepSpeed's CPU comm op, and the run's seeding, in one place."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import random
 import socket
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import deepspeed
 import numpy as np
@@ -159,16 +163,54 @@ def _share_outcome(error: Exception | None, what: str) -> None:
                         "why); every rank stopped")
 
 
-def shutdown() -> None:
-    """Destroy the process group at the end of a run, as torch asks: without it, gloo's worker threads may still
-    hold tensors while the interpreter is torn down, and a rank that has finished its run aborts at exit
-    ("terminate called without an active exception", exit status -6, seen here once in a 60-step run)."""
+def shutdown(clean: bool = True) -> None:
+    """Destroy every process group before the interpreter is torn down: torch's, and DeepSpeed's clone of the world
+    (its ZeRO optimizer's group), which destroy_process_group leaves running, threads and all, while DeepSpeed's
+    module, its engine and every parameter hold it. A gloo group alive in the interpreter's teardown makes a rank
+    abort now and then at exit ("terminate called without an active exception", exit status -6): seen here in a
+    60-step run that finished, and in rank 0 of a run whose replicas diverged, after its one-line error's
+    sys.exit(2) (once in 48 runs of that pair, 2026-12-06; its group was alive at exit in all 48).
+
+    `clean`: the run ended. A rank that leaves on an error (its one line, or a traceback) skips the barrier: the
+    other ranks may have left already, or wait in a collective that a barrier would not match; a destroy with a
+    peer gone, or waiting in a collective, takes milliseconds (that peer's collective then fails at once, where
+    it would wait the collective timeout). DeepSpeed's group is freed only if the engine is gone by now: destroyed
+    (pretrain.main does it: its ZeRO optimizer's gradient hooks, held by autograd, keep it past gc) and
+    unreachable (`run_then_exit` drops main's frames first)."""
     if dist.is_initialized():
         # gloo's barrier first waits for this rank's collectives still queued or running (an async ZeRO-3
         # all-gather, say), so none is torn down with the group: a ZeRO-3 rank aborted so at exit, after
         # finishing its run, in 2 of about 25 runs of a test here (2026-12-01)
-        dist.barrier()
-        dist.destroy_process_group()
+        if clean:
+            dist.barrier()
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()  # torch's, then DeepSpeed's own references to its groups
+        else:
+            dist.destroy_process_group()
+    # the last references to DeepSpeed's group: the engine's, its optimizer's and its parameters' (reference
+    # cycles); freeing the group joins its threads, and rank 0's store with it
+    gc.collect()
+
+
+def run_then_exit(main: Callable[[], object]) -> NoReturn:
+    """A rank's process: `main`, then its process groups destroyed on every way out (the run's end, a UserError's
+    one line and exit 2, a traceback), then its exit status. Out of the `except` first: the exception's traceback
+    holds main's frames, and through them the engine and DeepSpeed's group. (The watchdog leaves by os._exit,
+    which tears nothing down.)"""
+    try:
+        main()
+    except SystemExit as leaving:  # exit_on_user_error's, after the one line
+        status = leaving.code
+    except KeyboardInterrupt:  # before the loop's own handler, or after it
+        traceback.print_exc()
+        status = 130
+    except BaseException:  # noqa: BLE001  (printed as the interpreter prints it)
+        traceback.print_exc()
+        status = 1
+    else:
+        status = 0
+    shutdown(clean=status in (0, None))
+    sys.exit(status)
 
 
 def refuse_stale_build_lock(extension: str) -> None:
