@@ -28,7 +28,8 @@ from transformers import BertConfig, BertForMaskedLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from truneg.train import integrity, replicas  # noqa: E402
+from truneg.train.checkpointing import integrity  # noqa: E402
+from truneg.train.ranks import replicas  # noqa: E402
 
 SIZES = {"bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
          "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)}

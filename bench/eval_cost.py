@@ -3,8 +3,8 @@ share of the training time between two evaluations: from FLOPs for each shipped 
 
     python bench/eval_cost.py [--preset bert-base] [--seq-len 128] [--micro-batch 8] [--rounds 3]
 
-FLOPs: an evaluation is a forward of each of its sequences (truneg.train.flops: the encoder, the masked-only head;
-ELECTRA's generator and discriminator), training between two evaluations is save_steps x global batch samples of
+FLOPs: an evaluation is a forward of each of its sequences (truneg.train.observe.flops: the encoder, the masked-only
+head; ELECTRA's generator and discriminator), training between two evaluations is save_steps x global batch samples of
 forward and backward. Measured: the same model and micro-batch in one process, a training step (forward, backward,
 AdamW) and the evaluation (truneg.train.heldout.HeldOut) timed alternately; their per-sequence ratio projects the
 share for the BERT-large recipe. Prints a table and a last line `RESULT flops_share=<bert-large>
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from truneg.data.blocks import load_tokenizer  # noqa: E402
 from truneg.data.masking import default_max_predictions, mask_tokens  # noqa: E402
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer  # noqa: E402
-from truneg.train.flops import TRAINING_FACTOR, forward_flops, preset_sizes  # noqa: E402
+from truneg.train.config.run_config import EVAL_MAX_SEQUENCES  # noqa: E402
 from truneg.train.heldout import HeldOut  # noqa: E402
-from truneg.train.run_config import EVAL_MAX_SEQUENCES  # noqa: E402
+from truneg.train.observe.flops import TRAINING_FACTOR, forward_flops, preset_sizes  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # the shipped recipes: (preset, seq_len, DeepSpeed config, save_steps) as launch/*.sh run them

@@ -1,5 +1,5 @@
-"""Model FLOPs per training sample from DeepSpeed's flops profiler, beside truneg's own formula (truneg.train.flops,
-behind the runs' `tflops` and `mfu`), for MFU.
+"""Model FLOPs per training sample from DeepSpeed's flops profiler, beside truneg's own formula
+(truneg.train.observe.flops, behind the runs' `tflops` and `mfu`), for MFU.
 
     python bench/flops.py [--presets bert-large,electra-base] [--seq-len 128] [--samples-per-sec X --peak-tflops Y]
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from truneg.data.blocks import load_tokenizer  # noqa: E402
 from truneg.data.masking import default_max_predictions, mask_tokens  # noqa: E402
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer  # noqa: E402
-from truneg.train.flops import preset_train_flops  # noqa: E402
+from truneg.train.observe.flops import preset_train_flops  # noqa: E402
 
 
 def train_flops_per_sample(preset: str, seq_len: int, objective: ObjectiveConfig | None = None) -> float:

@@ -3,10 +3,10 @@ stage cut short by its timeout still leaves what it measured.
 
     python bench/gpu_check.py {info|configs|resume|syncs|throughput|locks} --summary FILE --work DIR [--cpu-dry-run]
 
-Engines are built in-process through truneg's own entry point (bench/gpu_runs.py): one process per stage,
+Engines are built in-process through truneg's own entry point (bench/lib/gpu_runs.py): one process per stage,
 every variant of a stage in it. `--cpu-dry-run` takes the same stages on the CPU with tiny models, each
 shipped GPU config turned into fp32 with torch AdamW at its own ZeRO stage and batch fields. Stages 3 and 4
-(inside the step) are in bench/gpu_step.py.
+(inside the step) are in bench/lib/gpu_step.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_runs import (  # noqa: E402
+from bench.lib.gpu_runs import (  # noqa: E402
     CORPUS,
     DRY,
     DS_CONFIGS,
@@ -37,7 +37,7 @@ from bench.gpu_runs import (  # noqa: E402
     run_pretrain,
     shipped_gpu_configs,
 )
-from bench.gpu_step import stage_syncs, stage_throughput  # noqa: E402
+from bench.lib.gpu_step import stage_syncs, stage_throughput  # noqa: E402
 
 RESUME_TOLERANCE = 1e-5  # relative, per logged loss
 
@@ -107,8 +107,8 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
     import torch
 
     from truneg.data.blocks import ensure_prepared, load_tokenizer
-    from truneg.train.checkpoint import rank_state_file
-    from truneg.train.run_config import CHECKPOINTS
+    from truneg.train.checkpointing.checkpoint import rank_state_file
+    from truneg.train.config.run_config import CHECKPOINTS
 
     shipped = DS_CONFIGS / "electra_small_a100_bf16_zero1.json"
     config = config_for(shipped, mode, work)
@@ -172,7 +172,7 @@ def stage_resume(mode: Mode, note: Summary, work: Path) -> bool:
 def release_locks(mode: Mode, note: Summary, work: Path) -> bool:
     """After a stage was killed by its timeout: delete the JIT-build locks its processes held when they died
     (none that a live process holds), so that the stages after it, and the next check, do not wait on them."""
-    from truneg.train.distributed import orphaned_build_locks
+    from truneg.train.ranks.distributed import orphaned_build_locks
 
     for lock in orphaned_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
         lock.unlink(missing_ok=True)

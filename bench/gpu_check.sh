@@ -104,7 +104,7 @@ fi
 # this machine's nvcc; start both first (before `info`) so that stage 1 finds them built or under way.
 BUILDS=()
 if [ $DRY = 0 ]; then
-  # This GPU's plain major.minor: DeepSpeed's op builder cannot parse an image's "9.0a" (see truneg.train.distributed)
+  # This GPU's plain major.minor: DeepSpeed's op builder cannot parse an image's "9.0a" (see truneg.train.ranks.distributed)
   export TORCH_CUDA_ARCH_LIST=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null)
   export MAX_JOBS=${MAX_JOBS:-$(nproc)}
   prebuild() {

@@ -17,8 +17,8 @@ $OUT/gpu_mfu.jsonl as each ends:
      (dropout 0: CUDA graphs' dropout draws are Inductor's own);
   6. ELECTRA-base through pretrain.py at seq 128 and at its recipe's seq 512.
 Samples/s as truneg records them (the median of the logged intervals after the first; the plain loop's timed the
-same way), MFU against the GPU's dense bf16 peak (truneg.train.flops: 989 TFLOP/s on an H100 SXM or an H200) with
-truneg's FLOPs per sample, the formula behind the runs' own `tflops` and `mfu`.
+same way), MFU against the GPU's dense bf16 peak (truneg.train.observe.flops: 989 TFLOP/s on an H100 SXM or an
+H200) with truneg's FLOPs per sample, the formula behind the runs' own `tflops` and `mfu`.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.gpu_runs import CORPUS, DS_CONFIGS, cpu_substitute, patched, plain_step, run_pretrain  # noqa: E402
-from bench.gpu_step import tflops_per_sample  # noqa: E402
+from bench.lib.gpu_runs import CORPUS, DS_CONFIGS, cpu_substitute, patched, plain_step, run_pretrain  # noqa: E402
+from bench.lib.gpu_step import tflops_per_sample  # noqa: E402
 
 BUDGET_S = int(os.environ.get("BUDGET_S", 540))
 VARIANT_LIMIT_S = 150  # one variant's most (a compile of BERT-large's parts takes about a minute): a hung one
@@ -88,7 +88,7 @@ def ceiling_sdpa(dry: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from truneg.train.flops import TRAINING_FACTOR, attention_flops
+    from truneg.train.observe.flops import TRAINING_FACTOR, attention_flops
 
     batch, heads, seq, dim = (2, 2, 32, 32) if dry else (256, 16, 128, 64)
     dtype, device = (torch.float32, "cpu") if dry else (torch.bfloat16, "cuda")
@@ -132,7 +132,7 @@ def _mfu(rate: float, preset: str, seq: int, dry: bool) -> float | None:
         return None
     import torch
 
-    from truneg.train.flops import dense_peak_tflops
+    from truneg.train.observe.flops import dense_peak_tflops
 
     peak = dense_peak_tflops(torch.cuda.get_device_name(), "bf16")
     return None if peak is None else round(rate * tflops_per_sample(preset, seq) / peak, 4)

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_runs import DS_CONFIGS, plain_step, read_records, start_memory_peak  # noqa: E402
+from bench.lib.gpu_runs import DS_CONFIGS, plain_step, read_records, start_memory_peak  # noqa: E402
 
 MICRO, ACCUM = 64, 4
 STEPS = 15 if len(sys.argv) == 1 else 25

@@ -20,13 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.lib.masked_batch import real_batch  # noqa: E402
 from truneg.data.blocks import load_tokenizer  # noqa: E402
-from truneg.data.masking import default_max_predictions, mask_tokens  # noqa: E402
 from truneg.model.objectives import hard_correction, soft_regularization  # noqa: E402
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer  # noqa: E402
 from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable  # noqa: E402
@@ -38,23 +37,6 @@ VARIANTS = {
     "hc_sr": dict(hc=True, sr="word"),
     "sr_sent": dict(hc=False, sr="sent"),
 }
-
-
-def real_batch(tokenizer, batch: int, seq_len: int, scheme: str) -> dict[str, torch.Tensor]:
-    text = (Path(__file__).resolve().parent.parent / "truneg/assets/corpus/austen_pride_and_prejudice.txt").read_text()
-    ids = tokenizer(text[:200_000], add_special_tokens=False, verbose=False)["input_ids"]
-    body = seq_len - 2
-    rows = np.array([[tokenizer.cls_token_id] + ids[i * body:(i + 1) * body] + [tokenizer.sep_token_id] for i
-                     in range(batch)])
-    return mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), scheme, 0, 0,
-                       np.arange(batch), default_max_predictions(seq_len))
-
-
-def hf_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """HF-style MLM labels (-100 off the masked positions) of a truneg batch."""
-    labels = torch.full_like(batch["original_ids"], -100)
-    gold = batch["original_ids"].gather(1, batch["masked_positions"])
-    return labels.scatter(1, batch["masked_positions"], torch.where(batch["masked_valid"], gold, -100))
 
 
 def bench_preset(preset: str, batch_size: int, steps: int, lookup: SynonymLookup) -> dict[str, float]:

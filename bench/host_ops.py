@@ -43,12 +43,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_runs import CORPUS, DS_CONFIGS, patched, run_pretrain  # noqa: E402
+from bench.lib.gpu_runs import CORPUS, DS_CONFIGS, patched, run_pretrain  # noqa: E402
 from truneg.data.masking import default_max_predictions  # noqa: E402
 from truneg.model import pretrainers as models  # noqa: E402
 from truneg.model.compile import compiled_parts  # noqa: E402
 from truneg.train import build, loop  # noqa: E402
-from truneg.train.memory import micro_for_memory  # noqa: E402
+from truneg.train.config.memory import micro_for_memory  # noqa: E402
 
 SEQ, MICRO, STEPS = 128, 2, 3  # the last step is counted
 # Same depth, heads and parameter tensors as the real presets; 4-8 wide per head.
@@ -59,7 +59,8 @@ NARROW_ELECTRA = {"electra-base": (
 )}
 CONFIGS = {"bert-large": "bert_large_a100_bf16_zero1.json", "electra-base": "electra_base_a100_bf16_zero1.json"}
 TODAY = {"bert-large": (64, 4), "electra-base": (32, 4)}  # (micro-batch, accumulation) of the H200's figures
-# the new recipe: the micro-batch an H200 (141 GiB) takes by memory (truneg.train.memory), the same 256 samples a step
+# the new recipe: the micro-batch an H200 (141 GiB) takes by memory (truneg.train.config.memory), the same 256
+# samples a step
 NEW_RECIPE = {"bert-large": (micro_for_memory(141, "bert-large", "bf16", SEQ, default_max_predictions(SEQ))[0], 1)}
 
 

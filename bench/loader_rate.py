@@ -8,7 +8,7 @@ sequence, static [B, 20] positions). HF: a `torch.utils.data.DataLoader` over th
 `DataCollatorForLanguageModeling(mlm_probability=0.15)`, as `Trainer` feeds run_mlm (its workers collate).
 For each number of workers it prints the samples/s the training process receives and the training thread's
 own CPU time per micro-batch (what the input takes from the host that issues the GPU's work), against the
-samples/s a GPU needs at 50 % MFU of an H200's dense bf16 peak (truneg.train.flops: the peak, and the FLOPs per
+samples/s a GPU needs at 50 % MFU of an H200's dense bf16 peak (truneg.train.observe.flops: the peak, and the FLOPs per
 sample). The workers share this machine's cores with the consumer: on a GPU node each rank's workers have cores of
 their own.
 Last line: RESULT speedup=<truneg / HF samples/s at the most workers> truneg_samples_per_s=... main_ms=...
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from truneg.data.blocks import DEMO_CORPUS, ResumableSampler, load_tokenizer  # noqa: E402
 from truneg.data.masking import MaskedBatches, default_max_predictions  # noqa: E402
 from truneg.data.prepare import pack_blocks  # noqa: E402
-from truneg.train.flops import dense_peak_tflops, preset_train_flops  # noqa: E402
+from truneg.train.observe.flops import dense_peak_tflops, preset_train_flops  # noqa: E402
 
 SEQ_LEN = 128
 

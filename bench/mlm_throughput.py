@@ -20,7 +20,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.hc_sr_overhead import hf_labels, real_batch  # noqa: E402
+from bench.lib.masked_batch import hf_labels, real_batch  # noqa: E402
 from truneg.data.blocks import load_tokenizer  # noqa: E402
 from truneg.model.presets import BERT_PRESETS
 from truneg.model.pretrainers import BertPretrainer, ObjectiveConfig  # noqa: E402

@@ -44,11 +44,11 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from bench.hc_sr_overhead import real_batch
+    from bench.lib.masked_batch import real_batch
     from truneg.data.blocks import load_tokenizer
     from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
-    from truneg.train.distributed import init_distributed
-    from truneg.train.ds_config import DS_CONFIGS, resolve
+    from truneg.train.config.ds_config import DS_CONFIGS, resolve
+    from truneg.train.ranks.distributed import init_distributed
 
     init_distributed()
     config, _ = resolve(DS_CONFIGS / "cpu_zero2.json", dist.get_world_size(), 100, Path(args.out),

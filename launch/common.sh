@@ -26,7 +26,7 @@ HOSTFILE="${HOSTFILE:-$REPO/launch/hosts}"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 DEEPSPEED="${DEEPSPEED:-$REPO/.venv/bin/deepspeed}"
 GPU="${GPU:-v100}"
-GPU_ARCH="$("$PYTHON" -m truneg.train.ds_config arch "$GPU")" || exit 2  # sm70 for v100, ...; one line for another name
+GPU_ARCH="$("$PYTHON" -m truneg.train.config.ds_config arch "$GPU")" || exit 2  # sm70 for v100, ...; one line for another name
 # Arrays below expand as ${a[@]+"${a[@]}"}: bash before 4.4 calls an empty "${a[@]}" unbound under set -u.
 # LAUNCHER_ARGS split as a shell splits it, so a quoted value stays one word (--launcher_args "--mca
 # btl_tcp_if_include ib0"); Python's shlex re-quotes each word, so nothing in it runs or expands here.
@@ -73,7 +73,7 @@ checkpoint() {  # INIT: a folder, made absolute; or a model name of the HF hub (
 }
 
 recipe() {  # recipe STEM: the recipe's config for $GPU (fp16 ZeRO-2 for a V100, bf16 ZeRO-1 from an A100)
-  "$PYTHON" -m truneg.train.ds_config recipe "$1" "$GPU"
+  "$PYTHON" -m truneg.train.config.ds_config recipe "$1" "$GPU"
 }
 
 pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's run

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from truneg.train import distributed
+from truneg.train.ranks import distributed
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -154,7 +154,7 @@ def wait_for(predicate, timeout: float, interval: float = 0.01) -> bool:
 
 def read_metrics(output_dir: Path, kind: str = "train") -> list[dict]:
     """metrics.jsonl's training records, its held-out evaluations' (`kind` "eval"), or all of them in order."""
-    from truneg.train.records import is_eval_record
+    from truneg.train.observe.records import is_eval_record
 
     path = output_dir / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -180,7 +180,7 @@ FREQUENT_WORDS = 500  # the vocab's first whole words: BERT's vocab lists them a
 MAX_STEPS, SAVE_STEPS = 24, 8
 EVAL_SEQUENCES = 96  # every case evaluates the first 96 sequences of its corpus at steps 0, 8, 16 and 24
 # what a run measures of its machine rather than computes, and the mark of each start's first interval
-# (truneg.train.efficiency): a resumed run's differ from the uninterrupted one's
+# (truneg.train.observe.efficiency): a resumed run's differ from the uninterrupted one's
 TIMING_KEYS = {"samples_per_sec", "tokens_per_sec", "tflops", "mfu", "data_wait_fraction", "memory_max_rss_gib",
                "memory_max_allocated_gib", "memory_max_reserved_gib", "warmup", "eval_seconds"}
 
@@ -281,6 +281,22 @@ def runs(tmp_path_factory, launch_env, small_corpus, frequent_table):
         return cache[case]
 
     return get
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A process group of one rank (gloo) in this process, for an in-process DeepSpeed engine; torch's and DeepSpeed's
+    groups both destroyed after (DeepSpeed keeps its own for the process: a later test's engine would find them
+    stale)."""
+    import torch.distributed as dist
+
+    port = free_port()
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    distributed.shutdown()
 
 
 def comparable(records: list[dict]) -> list[dict]:

@@ -2,6 +2,7 @@
 script or make target exists."""
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 
 from truneg import cli
 from truneg.cluster import preflight
-from truneg.train import args as pretrain_args
+from truneg.train.config import args as pretrain_args
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -104,3 +105,30 @@ def test_the_check_fails_on_a_flag_or_sub_command_that_does_not_exist(capsys):
                   "deepspeed truneg/pretrain.py --no-such-flag 1", "make no-such-target", "bash launch/nothing.sh"):
         with pytest.raises(AssertionError):
             check(wrong, capsys)
+
+
+def test_every_code_path_the_docs_name_exists():
+    """Each backticked `truneg/...py` and `bench/...` path in README.md and docs/ is a file or folder of the repo:
+    a module that moved leaves no reader at a dead path."""
+    named = {(doc.name, path) for doc in DOCS
+             for path in re.findall(r"`((?:truneg/[\w/]+\.py|bench/[\w./-]*))(?::\w+)?[` ]", doc.read_text())}
+    assert len(named) > 20
+    missing = sorted((doc, path) for doc, path in named if not (REPO / path.split(" ")[0]).exists())
+    assert missing == []
+
+
+def test_truneg_report_imports_neither_torch_transformers_nor_deepspeed(tmp_path):
+    """`truneg report` only reads JSON: in a fresh interpreter, a run's records reported, none of the three is
+    imported (their start-up is seconds and half a GB: docs/performance.md)."""
+    run = tmp_path / "base"
+    run.mkdir()
+    record = {"step": 0, "samples": 0, "eval_mlm_loss": 9.0, "eval_mlm_accuracy": 0.1, "eval_hc_iter_ratio": 0.0,
+              "eval_hc_pred_ratio": 0.0, "eval_sequences": 8, "eval_masked": 10, "eval_mismatched": 9,
+              "eval_seconds": 0.1}
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    script = ("import sys\nfrom truneg import cli\n"
+              f"cli.main(['report', 'baseline={run}', '--out', '{tmp_path / 'out'}'])\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]" and (tmp_path / "out" / "eval.csv").is_file()

@@ -145,7 +145,7 @@ def test_a_stage_cut_by_its_timeout_leaves_no_process_and_the_stage_beside_it_pa
     late = [p for p in (work / "stage2").rglob("*") if p.is_file() and p.stat().st_mtime > killed_at + 1]
     assert not late, f"stage 2's processes wrote after its timeout: {late[:3]}"
     # nor left a JIT-build lock that would stop every later load of DeepSpeed's comm op (the suite's next launch)
-    from truneg.train.distributed import orphaned_build_locks
+    from truneg.train.ranks.distributed import orphaned_build_locks
 
     assert orphaned_build_locks(work.parent / "torch_extensions") == []
     assert (out / "keep.txt").is_file() and (out / "gpu_check.log").is_file()

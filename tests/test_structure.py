@@ -19,11 +19,13 @@ DEFERRED_IMPORTS = {
     "truneg.eval.commands": "the evaluation parsers, built for every `truneg` command",
     "truneg.data.blocks": "transformers, for the tokenizer only (the `truneg` parsers import this module)",
     "truneg.data.corpus": "datasets and pyarrow, for `hf:` corpora only (seconds to import)",
-    "truneg.train.ds_config": "torch: the launch scripts run `python -m truneg.train.ds_config` before each launch",
+    "truneg.train.config.ds_config": "torch: the launch scripts run `python -m truneg.train.config.ds_config` before "
+                                     "each launch",
     "truneg.cluster.hostfile": "deepspeed: the launch scripts run `python -m truneg.cluster.hostfile` before each "
                                "launch",
-    "truneg.train.distributed": "mpi4py, an optional package that only mpirun/srun launches need",
+    "truneg.train.ranks.distributed": "mpi4py, an optional package that only mpirun/srun launches need",
     "truneg.eval.false_negatives": "matplotlib, for the plot only (its backend is chosen before pyplot's import)",
+    "truneg.eval.paired": "scipy, for the t-interval only: `truneg report` of live evaluations alone needs none",
 }
 MAX_LINES = 400
 
@@ -54,7 +56,7 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
                                 + ([base] if base else []))
-            # `from truneg.train import checkpoint` imports the module truneg.train.checkpoint
+            # `from truneg.train import checkpoint` imports the module truneg.train.checkpointing.checkpoint
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
             continue
@@ -132,3 +134,50 @@ def test_imports_sit_at_the_top_except_where_start_up_time_defers_them():
     deferring = {m for m in MODULES if function_level_imports(m)}
     assert deferring <= set(DEFERRED_IMPORTS), sorted(deferring - set(DEFERRED_IMPORTS))
     assert set(DEFERRED_IMPORTS) <= deferring, "a module listed as deferring imports no longer does: drop it"
+
+
+# truneg/train's rooms, bottom up: a module imports from its own room or a lower floor, never from a peer room of
+# its floor nor from above; the composition (build, heldout, loop, fused_grads: truneg/train/ itself) sits on top.
+TRAIN_FLOORS = {"config": 0, "ranks": 0, "observe": 1, "checkpointing": 1}
+COMPOSITION = 2
+
+
+def train_room(module: str) -> str | None:
+    """`module`'s room of truneg/train ("composition" for the modules at its top), None outside it."""
+    parts = module.split(".")
+    if parts[:2] != ["truneg", "train"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in TRAIN_FLOORS else "composition"
+
+
+def floor(room: str) -> int:
+    return TRAIN_FLOORS.get(room, COMPOSITION)
+
+
+def test_train_rooms_import_one_way_and_their_packages_hold_no_imports():
+    wrong = [f"{m}:{line} imports {target}" for m in MODULES if (room := train_room(m))
+             for target, line, _ in imports_of(m)
+             if (other := train_room(target)) and other != room and floor(other) >= floor(room)]
+    assert not wrong, "\n".join(wrong)
+    assert {train_room(m) for m in MODULES} - {None} == {*TRAIN_FLOORS, "composition"}
+    # no re-export or shim: an import there would pull torch into what imports one module of the room
+    for room in TRAIN_FLOORS:
+        assert imports_of(f"truneg.train.{room}") == [], room
+        assert "import" not in (PACKAGE / "train" / room / "__init__.py").read_text(), room
+
+
+def test_the_rooms_check_finds_a_peer_and_an_upward_import(tmp_path, monkeypatch):
+    fake = tmp_path / "truneg"
+    for name, text in {"__init__.py": "", "train/__init__.py": "", "train/loop.py": "",
+                       "train/config/__init__.py": "", "train/config/a.py": "from truneg.train.ranks import b\n",
+                       "train/ranks/__init__.py": "", "train/ranks/b.py": "",
+                       "train/observe/__init__.py": "", "train/observe/c.py": "from truneg.train import loop\n",
+                       "train/checkpointing/__init__.py": "", "train/checkpointing/d.py": ""}.items():
+        (fake / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake / name).write_text(text)
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    monkeypatch.setattr(__import__(__name__), "MODULES", {module_name(p): p for p in sorted(fake.rglob("*.py"))})
+    with pytest.raises(AssertionError) as found:
+        test_train_rooms_import_one_way_and_their_packages_hold_no_imports()
+    assert "truneg.train.config.a:1 imports truneg.train.ranks.b" in str(found.value)
+    assert "truneg.train.observe.c:1 imports truneg.train.loop" in str(found.value)

@@ -46,14 +46,14 @@ def _synonyms_show(args) -> None:
 
 
 def _export(args) -> None:
-    from truneg.train.export import export
+    from truneg.train.checkpointing.export import export
 
     for part, folder in export(args.checkpoint, args.out_dir, args.tokenizer).items():
         print(f"{part}: {folder}")
 
 
 def _verify(args) -> None:
-    from truneg.train import checkpoint, integrity
+    from truneg.train.checkpointing import checkpoint, integrity
 
     if args.tag:
         checkpoint_dir, tag = Path(args.checkpoints), args.tag
@@ -140,6 +140,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
     if "torch.distributed" in sys.modules:  # `finetune glue --deepspeed_config` set up a process group
-        from truneg.train.distributed import shutdown
+        from truneg.train.ranks.distributed import shutdown
 
         shutdown()

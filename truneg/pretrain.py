@@ -19,8 +19,10 @@ if __package__ in (None, ""):
 
 from truneg.errors import exit_on_user_error  # noqa: E402  (after the sys.path line above)
 from truneg.model.pretrainers import architecture  # noqa: E402
-from truneg.train import build, checkpoint, distributed, heldout, loop, run_dir  # noqa: E402
-from truneg.train.export import save_hf_configs  # noqa: E402
+from truneg.train import build, heldout, loop  # noqa: E402
+from truneg.train.checkpointing import checkpoint, run_dir  # noqa: E402
+from truneg.train.checkpointing.export import save_hf_configs  # noqa: E402
+from truneg.train.ranks import distributed  # noqa: E402
 
 
 @exit_on_user_error

@@ -15,7 +15,7 @@ import pytest
 from truneg.cluster import preflight
 from truneg.cluster.env_file import forwarded_env, launch_env, write_env_file
 from truneg.errors import UserError
-from truneg.train import checks
+from truneg.train.config import checks
 
 REPO = Path(__file__).resolve().parents[2]
 

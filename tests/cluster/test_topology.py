@@ -31,7 +31,7 @@ ZERO3_UNIVERSAL_GROUPS = """
 import json, os, sys
 from pathlib import Path
 import torch, deepspeed
-from truneg.train import checkpoint
+from truneg.train.checkpointing import checkpoint
 from truneg.model.pretrainers import parameter_groups
 
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
@@ -90,7 +90,7 @@ def test_a_zero_3_checkpoint_resumed_on_another_world_size_keeps_each_groups_wei
 def test_a_gpu_checkpoints_rng_states_load_on_a_cpu_rank():
     """A checkpoint written on GPUs holds the CUDA generator's state (16 bytes: seed and offset) beside the host's;
     a CPU rank restores the host's generators and leaves the CUDA one out."""
-    from truneg.train import checkpoint
+    from truneg.train.checkpointing import checkpoint
 
     torch.manual_seed(3)
     state = checkpoint.rng_state()

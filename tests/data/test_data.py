@@ -111,8 +111,8 @@ def test_ranks_open_the_folder_their_nodes_local_rank_0_prepared_without_plannin
 
     from truneg.data import blocks as data
     from truneg.train import build
-    from truneg.train.args import parse_args
-    from truneg.train.run_config import RunConfig
+    from truneg.train.config.args import parse_args
+    from truneg.train.config.run_config import RunConfig
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("the primary school was closed today and another document begins here\n" * 8)

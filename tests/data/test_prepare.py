@@ -261,7 +261,7 @@ def test_a_line_or_row_longer_than_a_slice_reaches_the_tokenizer_in_slices_with_
 def test_hf_sources_from_the_command_line(tmp_path, tokenizer):
     import datasets
 
-    from truneg.train.args import parse_args
+    from truneg.train.config.args import parse_args
 
     folder = tmp_path / "ds"
     folder.mkdir()

@@ -221,8 +221,12 @@ def test_the_minilm_script_runs_an_ablation_that_passes_its_checks(tmp_path):
     need_shared(SHARED_DATA / "glue")
     printed = subprocess.run(["bash", "bench/minilm/run.sh", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                              env={"DRY_RUN": "1", "SHARED": str(SHARED_DATA), "PATH": "/usr/bin:/bin"}, check=True)
-    words = printed.stdout.split()[2:]  # after `truneg ablation`
+    ablation_line, fn_stats_line = printed.stdout.splitlines()
+    words = ablation_line.split()[2:]  # after `truneg ablation`
     args = build_parser().parse_args(["ablation", *words])
+    # then the novels' Table 2 of HC's last checkpoint, which docs/minilm.md quotes
+    stats = build_parser().parse_args(fn_stats_line.split()[1:])
+    assert stats.checkpoints == [str(tmp_path / "HC" / "checkpoints" / "global_step160")], stats.checkpoints
     assert args.new_head and args.preset is None and args.robustness == "sst2" and len(args.finetune_seeds) >= 3
     argv = ablation.pretrain_args("HC+SR", args, tmp_path / "HC_SR")
     assert "--model" not in argv and "--new-head" in argv and argv[argv.index("--init-from") + 1] == args.init_from
@@ -284,7 +288,7 @@ def test_an_ablation_killed_between_stages_continues_without_repeating_a_finishe
     from truneg.cli import build_parser
     from truneg.errors import UserError
     from truneg.eval import ablation
-    from truneg.train.checkpoint import META_FILE
+    from truneg.train.checkpointing.checkpoint import META_FILE
 
     for task in ("RTE", "MRPC"):
         (tmp_path / "glue" / task).mkdir(parents=True)

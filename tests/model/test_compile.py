@@ -18,9 +18,9 @@ from truneg.data.masking import mask_tokens
 from truneg.model.compile import compile_layers
 from truneg.model.pretrainers import ElectraPretrainer, ObjectiveConfig, build_pretrainer
 from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable
-from truneg.train.args import parse_args
-from truneg.train.checks import resolve_config, start_problems
-from truneg.train.export import load_into
+from truneg.train.checkpointing.export import load_into
+from truneg.train.config.args import parse_args
+from truneg.train.config.checks import resolve_config, start_problems
 
 
 @pytest.fixture(scope="module")

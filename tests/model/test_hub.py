@@ -17,7 +17,7 @@ COMMIT = "a1" * 20
 def test_a_hub_name_resolves_offline_to_its_cached_snapshot_and_one_that_cannot_is_one_line(offline_hub, tmp_path,
                                                                                            monkeypatch):
     from truneg.eval.glue import resolve_model_dir
-    from truneg.train.checks import effective_preset, path_problems
+    from truneg.train.config.checks import effective_preset, path_problems
 
     snapshot = hub_snapshot(offline_hub, "org/tiny-bert", COMMIT)
     build_pretrainer("bert-tiny", ObjectiveConfig()).mlm.save_pretrained(snapshot)
@@ -53,8 +53,8 @@ def test_a_gpu_recipe_follows_the_size_of_a_hub_name_not_downloaded_yet(offline_
     the first start must not take another size's recipe (its micro-batch) than a resume, once it is cached."""
     from huggingface_hub import constants
 
-    from truneg.train.args import parse_args
-    from truneg.train.checks import resolve_config
+    from truneg.train.config.args import parse_args
+    from truneg.train.config.checks import resolve_config
 
     mlm = build_pretrainer("bert-tiny", ObjectiveConfig()).mlm
     fetched = []
@@ -127,7 +127,7 @@ def test_a_checkpoint_of_a_model_type_truneg_does_not_build_is_refused_before_an
     from truneg.cluster import preflight
     from truneg.model.presets import foreign_model_problem
     from truneg.pretrain import main
-    from truneg.train.checks import path_problems
+    from truneg.train.config.checks import path_problems
 
     gpt2, t5 = tmp_path / "gpt2", hub_snapshot(offline_hub, "org/tiny-t5")
     tiny = dict(n_layer=1, n_embd=8, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0)

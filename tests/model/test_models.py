@@ -259,10 +259,10 @@ def test_electra_from_its_two_checkpoints_shares_one_embedding_and_refuses_a_pai
     from truneg.errors import UserError
     from truneg.model import hub
     from truneg.model.presets import BERT_PRESETS, ELECTRA_PRESETS
-    from truneg.train.args import parse_args
-    from truneg.train.checks import effective_preset
-    from truneg.train.run_config import RunConfig
-    from truneg.train.run_dir import run_identity
+    from truneg.train.checkpointing.run_dir import run_identity
+    from truneg.train.config.args import parse_args
+    from truneg.train.config.checks import effective_preset
+    from truneg.train.config.run_config import RunConfig
 
     pair = build_pretrainer("electra-tiny", ObjectiveConfig())
     disc_snapshot = hub_snapshot(offline_hub, "org/tiny-electra-discriminator")
@@ -363,7 +363,7 @@ def test_new_head_continues_an_encoder_without_its_mlm_head(tmp_path):
 
 def test_new_head_is_for_bert_continued_runs():
     from truneg.errors import UserError
-    from truneg.train.args import parse_args
+    from truneg.train.config.args import parse_args
 
     with pytest.raises(UserError, match="--new-head starts the MLM head a checkpoint lacks: pass --init-from"):
         parse_args(["--new-head"])

@@ -322,9 +322,9 @@ def test_hc_prediction_chooses_what_hc_judges_and_the_discriminator_always_sees_
 def test_the_run_config_reaches_the_model(tmp_path):
     """What the command line asks for is what the model's objective holds (build_model)."""
     from truneg.synonyms.table import SHIPPED_WORDNET_TABLE
-    from truneg.train.args import parse_args
     from truneg.train.build import build_model
-    from truneg.train.run_config import RunConfig
+    from truneg.train.config.args import parse_args
+    from truneg.train.config.run_config import RunConfig
 
     cfg = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--hc", "wordnet", "--hc-prediction", "sample",
                                           "--sr", "sent", "--sr-weight", "0.25", "--sr-sent-target", "original",

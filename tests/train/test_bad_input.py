@@ -147,7 +147,7 @@ def test_a_damaged_exported_model_is_one_line(tmp_path, monkeypatch):
 
 def test_a_damaged_latest_is_one_line(tmp_path):
     from truneg.errors import UserError
-    from truneg.train.checkpoint import latest_tag
+    from truneg.train.checkpointing.checkpoint import latest_tag
 
     (tmp_path / "latest").write_bytes(b"\x80\x81\xfe")
     with pytest.raises(UserError, match="latest is damaged"):
@@ -226,7 +226,7 @@ def test_what_stays_accepted_and_a_sequence_longer_than_the_model(tmp_path):
     from truneg.errors import UserError
     from truneg.eval import false_negatives as analysis
     from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
-    from truneg.train.ds_config import read_config
+    from truneg.train.config.ds_config import read_config
 
     hf_style = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "auto"},
                 "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "bf16": {"enabled": "auto"}}

@@ -27,8 +27,8 @@ from conftest import (
 )
 
 from truneg.errors import UserError
-from truneg.train import distributed
-from truneg.train.flops import preset_train_flops
+from truneg.train.observe.flops import preset_train_flops
+from truneg.train.ranks import distributed
 
 
 @pytest.fixture

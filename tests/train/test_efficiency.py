@@ -19,15 +19,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import REPO, free_port
+from conftest import REPO
 
 from truneg.data.masking import default_max_predictions
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
-from truneg.train import efficiency
-from truneg.train.efficiency import Efficiency, TimedBatches, console_fields, peak_rss_bytes, reset_peak_rss
-from truneg.train.flops import dense_peak_tflops, model_train_flops, preset_train_flops, run_peak_tflops
-from truneg.train.profiling import StepProfiler, parse_profile_ranks, parse_profile_steps, profile_problems
+from truneg.train.config.run_config import parse_profile_ranks, parse_profile_steps, profile_problems
+from truneg.train.observe import efficiency
+from truneg.train.observe.efficiency import Efficiency, TimedBatches, console_fields, peak_rss_bytes, reset_peak_rss
+from truneg.train.observe.flops import dense_peak_tflops, model_train_flops, preset_train_flops, run_peak_tflops
+from truneg.train.observe.profiling import StepProfiler
 
 sys.path.insert(0, str(REPO))
 from bench.flops import train_flops_per_sample as profiler_train_flops  # noqa: E402
@@ -161,17 +161,6 @@ def test_the_rss_peak_is_reset_each_interval_and_the_input_wait_is_timed():
 
     timed = TimedBatches(Slow())
     assert [b["i"] for b in timed] == [1, 2, 3] and timed.waited_s >= 0.15 and timed.position == 3
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    port = free_port()
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(port)).items():
-        monkeypatch.setenv(name, value)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_grad_norm_is_the_unclipped_global_norm(world_of_one):

@@ -99,6 +99,19 @@ def test_two_rank_launch_trains_logs_and_checkpoints(runs, tmp_path, small_corpu
     assert comparable(offline) == comparable(evals[-2:])
 
 
+def test_no_file_a_run_writes_pickles_a_class_of_truneg(runs):
+    """truneg's rank files hold plain types (loaded with weights_only=True), and DeepSpeed's files no class of truneg's:
+    moving truneg's modules can never break the resume of an older checkpoint. (ZeRO-2 BERT, ZeRO-3 ELECTRA.)"""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    for case in ("bert-zero2", "electra-zero3"):
+        files = sorted((runs(case)[0] / "checkpoints").rglob("*.pt"))
+        assert len(files) >= 10 and any(f.name.startswith("truneg_rank") for f in files), case
+        found = {f"{f.parent.name}/{f.name}": g for f in files for g in get_unsafe_globals_in_checkpoint(f)
+                 if g.startswith("truneg")}
+        assert found == {}, case
+
+
 def test_a_baseline_and_an_hc_run_from_the_same_weights_and_seed_evaluate_alike_at_step_0(runs):
     """bert-zero2 trains with HC and SR, bert-deterministic is its baseline (neither, no dropout), from the same weights
     and seed: their step-0 evaluations are the same, false-negative ratios included (both count with the one eval
@@ -180,7 +193,7 @@ def test_export_writes_the_runs_own_tokenizer(runs, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from truneg.train.export import TOKENIZER_DIR, export
+    from truneg.train.checkpointing.export import TOKENIZER_DIR, export
 
     out, _ = runs("bert-zero2")
     copy = tmp_path / "checkpoints"
@@ -206,7 +219,7 @@ def test_export_writes_the_runs_own_tokenizer(runs, tmp_path):
 def test_export_round_trip_electra_zero3(runs, tmp_path, small_corpus, frequent_table, monkeypatch):
     from transformers import ElectraForMaskedLM, ElectraForPreTraining
 
-    from truneg.train.export import export
+    from truneg.train.checkpointing.export import export
 
     out, _ = runs("electra-zero3")
     written = export(out / "checkpoints", tmp_path / "hf")
@@ -256,8 +269,8 @@ def test_export_reads_the_bf16_recipes_checkpoints(tmp_path, launch_env, small_c
     ds_to_universal takes out of them, and the bf16 weights the model ran with, rounded."""
     from transformers import ElectraForMaskedLM, ElectraForPreTraining
 
-    from truneg.train.checkpoint import convert_to_universal
-    from truneg.train.export import export
+    from truneg.train.checkpointing.checkpoint import convert_to_universal
+    from truneg.train.checkpointing.export import export
 
     config = json.loads((REPO / "ds_configs" / "electra_small_a100_bf16_zero1.json").read_text())
     cpu = json.loads((REPO / "ds_configs" / "cpu_zero2.json").read_text())
@@ -293,7 +306,7 @@ def test_export_reads_the_bf16_recipes_checkpoints(tmp_path, launch_env, small_c
 def test_every_ds_config_is_valid_for_deepspeed():
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from truneg.train.ds_config import resolve
+    from truneg.train.config.ds_config import resolve
 
     configs = sorted((REPO / "ds_configs").glob("*.json"))
     assert len(configs) >= 6
@@ -324,7 +337,7 @@ def test_continued_pretraining_from_a_hub_name_keeps_the_pooler_into_the_export(
 
     from truneg.eval.glue import resolve_model_dir
     from truneg.model.presets import load_pretrained
-    from truneg.train.export import export
+    from truneg.train.checkpointing.export import export
 
     out, _ = runs("bert-zero2")
     exported = tmp_path / "hf"

@@ -17,19 +17,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, cli_in_process, flip_tensor_byte, free_port
+from conftest import REPO, cli_in_process, flip_tensor_byte
 
 from truneg.errors import UserError
-from truneg.train import checkpoint, integrity, replicas
-from truneg.train.args import step_timeout_problem
-from truneg.train.watchdog import ACK_KEY, DONE_KEY, LOAD, SAVE, StepWatchdog
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+from truneg.train.checkpointing import checkpoint, integrity
+from truneg.train.config.args import step_timeout_problem
+from truneg.train.ranks import replicas
+from truneg.train.ranks.watchdog import ACK_KEY, DONE_KEY, LOAD, SAVE, StepWatchdog
 
 
 def test_truneg_rank_files_load_with_weights_only_and_older_ones_with_a_warning(tmp_path, capsys):
@@ -304,7 +298,7 @@ def test_on_a_gpu_the_hang_dump_adds_nccls_flight_recorder_beside_the_stacks(tmp
     """The recorder is switched on before the process group (a user's own buffer size kept) and its trace written
     beside each rank's stacks; without CUDA, or with the recorder off, the stacks alone. (NCCL's own trace is only
     on GPUs: here torch's dump function stands in for it.)"""
-    from truneg.train.watchdog import NCCL_TRACE_ENV, enable_flight_recorder
+    from truneg.train.ranks.watchdog import NCCL_TRACE_ENV, enable_flight_recorder
 
     for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.delenv(name, raising=False)
@@ -332,7 +326,7 @@ def test_on_a_gpu_the_hang_dump_adds_nccls_flight_recorder_beside_the_stacks(tmp
 
 GIL_HELD = """
 import sys, time, torch.distributed as dist
-from truneg.train import watchdog
+from truneg.train.ranks import watchdog
 watchdog.STORE_TIMEOUT_S, watchdog.FALLBACK_GRACE_S = 0.1, 0.5
 dog = watchdog.StepWatchdog(0.5, sys.argv[1], 0, 2, dist.HashStore(), beat_s=0.1)
 dog.started(3)

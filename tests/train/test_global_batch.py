@@ -28,24 +28,13 @@ from truneg.data.masking import mask_tokens
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, parameter_groups
 from truneg.synonyms.table import SynonymLookup, SynonymTable
 from truneg.train import loop
-from truneg.train.efficiency import TimedBatches
-from truneg.train.metrics import MetricsLogger
+from truneg.train.observe.efficiency import TimedBatches
+from truneg.train.observe.metrics import MetricsLogger
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 VOCAB, SEQ_LEN, SEQUENCES, MAX_PREDICTIONS = 64, 32, 8, 5
 # real tokens per sequence: 15 % of them masked (at least 1, at most MAX_PREDICTIONS), so the counts differ
 CONTENT = [30, 6, 20, 30, 10, 26, 4, 30]
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    port = free_port()
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(port)).items():
-        monkeypatch.setenv(name, value)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def global_batch() -> dict[str, torch.Tensor]:

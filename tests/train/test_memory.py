@@ -11,8 +11,8 @@ import pytest
 
 from truneg.cluster import preflight
 from truneg.data.masking import default_max_predictions
-from truneg.train import checks, memory
-from truneg.train import ds_config as dsc
+from truneg.train.config import checks, memory
+from truneg.train.config import ds_config as dsc
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.tensorboard import SummaryWriter
 
-from truneg.train.metrics import MetricsLogger
+from truneg.train.observe.metrics import MetricsLogger
 
 
 def logger(tmp_path) -> MetricsLogger:
@@ -79,7 +79,7 @@ def test_the_first_throughput_after_a_resume_counts_only_the_samples_trained_sin
     """A checkpoint inside a log interval (a stop-and-save) carries the interval's sums, but not its samples:
     they were trained before the timer of the resumed process started."""
     now = [50.0]
-    monkeypatch.setattr("truneg.train.metrics.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("truneg.train.observe.metrics.time.perf_counter", lambda: now[0])
     first = MetricsLogger(engine=None, output_dir=tmp_path, seq_len=128, rank=1)  # rank 1: writes nothing
     steps = micro_steps(["masked", "mismatched", "corrected", "sequences", "sequences_corrected"], 7, nonfinite_at=-1)
     add(first, steps[:4])
@@ -104,13 +104,13 @@ def test_each_record_field_is_its_formula_over_both_ranks_sums(tmp_path, monkeyp
     """Two ranks (faked: the all-reduce doubles, as a second rank with the same sums would add them): the losses
     are means over finite micro-steps, the ratios are HC's and the accuracies are per masked / scored token, and the
     skipped steps, which every rank counts, are counted once."""
-    monkeypatch.setattr("truneg.train.metrics.dist",
+    monkeypatch.setattr("truneg.train.observe.metrics.dist",
                         SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 2,
                                                                all_reduce=lambda t: t.mul_(2)))
     engine = SimpleNamespace(global_samples=24, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=3,
                              monitor=SimpleNamespace(write_events=lambda events: None))
     now = [10.0]
-    monkeypatch.setattr("truneg.train.metrics.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("truneg.train.observe.metrics.time.perf_counter", lambda: now[0])
     metrics = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=128, rank=0)
     sums = {"gen_loss": 0.0, "disc_loss": 0.0, "masked": 0.0, "mismatched": 0.0, "corrected": 0.0, "sequences": 0.0,
             "sequences_corrected": 0.0, "disc_correct": 0.0, "disc_tokens": 0.0, "mlm_argmax_correct": 0.0,
@@ -194,7 +194,7 @@ def test_a_starts_first_interval_is_marked_and_left_out_of_the_throughput_curves
     """The efficiency figures ride in the log's record: the first interval of a process (a start, a resume) is
     marked `warmup` in metrics.jsonl, and its throughput figures are no point of tensorboard's curves."""
     from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
-    from truneg.train.efficiency import THROUGHPUT_KEYS, Efficiency, TimedBatches
+    from truneg.train.observe.efficiency import THROUGHPUT_KEYS, Efficiency, TimedBatches
 
     events = []
     engine = SimpleNamespace(global_samples=0, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=0,
@@ -250,7 +250,7 @@ def test_a_save_is_left_out_of_the_throughput_and_a_non_finite_figure_is_written
     same time) dips at no save. A figure that does not exist (samples/s of an interval of no time) is JSON's null,
     which a strict parser reads, and is not drawn."""
     now = [10.0]
-    monkeypatch.setattr("truneg.train.metrics.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("truneg.train.observe.metrics.time.perf_counter", lambda: now[0])
     events = []
     engine = SimpleNamespace(global_samples=8, get_lr=lambda: [1e-4], fp16_enabled=lambda: False, skipped_steps=0,
                              monitor=SimpleNamespace(write_events=events.extend))

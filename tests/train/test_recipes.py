@@ -14,8 +14,8 @@ import torch
 
 from truneg.cluster.hostfile import check_hostfile
 from truneg.errors import UserError
-from truneg.train import checks
-from truneg.train import ds_config as dsc
+from truneg.train.config import checks
+from truneg.train.config import ds_config as dsc
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -174,7 +174,7 @@ def test_the_stale_lock_check_knows_the_fused_optimizer_of_every_gpu_recipe(tmp_
     from deepspeed.ops.op_builder.fused_lamb import FusedLambBuilder
 
     from truneg.train.build import JIT_OPTIMIZER_OPS
-    from truneg.train.distributed import refuse_stale_build_lock
+    from truneg.train.ranks.distributed import refuse_stale_build_lock
 
     assert JIT_OPTIMIZER_OPS == {"FusedAdam": FusedAdamBuilder.NAME, "FusedLamb": FusedLambBuilder.NAME}
     assert {checks.deepspeed_optimizer(_raw(p))[0] for p in GPU_CONFIGS} == set(JIT_OPTIMIZER_OPS)
@@ -251,7 +251,7 @@ def test_the_documented_config_table_names_every_shipped_config_with_its_stage_b
 
 def test_deepspeeds_throughput_timer_does_not_synchronize_the_device_unless_asked(tmp_path):
     """DeepSpeed's timer, synchronized by default, would make the host wait for the GPU twice per micro-step
-    (bench/gpu_step.py's counter sees it in the forward). Read back with DeepSpeed's own config parser."""
+    (bench/lib/gpu_step.py's counter sees it in the forward). Read back with DeepSpeed's own config parser."""
     from deepspeed.utils.config import get_timers_config
 
     for path in CONFIGS:

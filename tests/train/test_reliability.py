@@ -36,7 +36,7 @@ from conftest import (
     wait_for,
 )
 
-from truneg.train import checkpoint
+from truneg.train.checkpointing import checkpoint
 
 
 def pretrain_cmd(*args: str) -> list[str]:
@@ -134,7 +134,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, launch_env, small_corpus, monk
     from truneg.errors import exit_on_user_error
     from truneg.train.build import checked_start
     from truneg.train.heldout import prepare_eval_data
-    from truneg.train.distributed import launch_world_size
+    from truneg.train.ranks.distributed import launch_world_size
 
     def start_checks(argv: list[str]) -> None:  # pretrain.py's, before its process group
         cfg, start = checked_start(argv)
@@ -274,7 +274,7 @@ def test_fp16_at_zero_stage_0_steps_as_fp32_does(tmp_path, launch_env, monkeypat
     # a DeepSpeed not known to leave it unscaled might scale it too: fp16 at ZeRO-0 is refused there
     import importlib.metadata
 
-    from truneg.train import checks
+    from truneg.train.config import checks
 
     config = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}
     assert checks.check_fp16_loss_scaling(config) is None
@@ -309,7 +309,7 @@ def test_the_load_pre_check_reads_what_the_load_reads_in_any_torch_format_and_na
     import torch
 
     from truneg.errors import UserError
-    from truneg.train import integrity
+    from truneg.train.checkpointing import integrity
 
     tag = tmp_path / "global_step8"
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -344,7 +344,7 @@ def test_saving_again_into_the_tag_latest_names_moves_latest_back_first(tmp_path
     """--resume of an older tag rolls the run back; its next save of the newer step clears the old folder (and a
     leftover of a kill during an earlier removal), but `latest` goes back to the newest complete tag first, so a
     kill during that save still leaves a checkpoint to resume from."""
-    from truneg.train import checkpoint
+    from truneg.train.checkpointing import checkpoint
 
     folder = tmp_path / "checkpoints"
     for step in (100, 200):
@@ -376,7 +376,7 @@ def test_keep_checkpoints_counts_complete_ones_only(tmp_path):
     """A preemption's save cut by the launcher's SIGKILL (no META) is no checkpoint: --keep-checkpoints 2 keeps
     the two newest complete ones. A cut tag goes once two complete ones are newer (a run may have resumed from it
     by name: it stays as long as the old rule kept it)."""
-    from truneg.train import checkpoint
+    from truneg.train.checkpointing import checkpoint
 
     folder = tmp_path / "checkpoints"
     for step in (100, 150, 200, 220, 250):
@@ -492,7 +492,7 @@ def test_repeated_kill_9_including_during_checkpoint_writes(runs, tmp_path, laun
 def test_an_orphaned_build_lock_is_told_from_one_a_live_process_holds(tmp_path):
     from torch.utils.file_baton import FileBaton
 
-    from truneg.train.distributed import orphaned_build_locks
+    from truneg.train.ranks.distributed import orphaned_build_locks
 
     (tmp_path / "held_op").mkdir()
     (tmp_path / "orphaned_op").mkdir()

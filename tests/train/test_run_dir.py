@@ -9,9 +9,9 @@ from conftest import free_port
 
 from truneg.errors import UserError
 from truneg.synonyms.table import SHIPPED_WORDNET_TABLE
-from truneg.train.args import parse_args
-from truneg.train.run_config import RunConfig
-from truneg.train.run_dir import RUN_FILE, claim_output_dir, run_identity
+from truneg.train.checkpointing.run_dir import RUN_FILE, claim_output_dir, run_identity
+from truneg.train.config.args import parse_args
+from truneg.train.config.run_config import RunConfig
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,7 +23,7 @@ def world_of_one():
 
 def saved(checkpoints, step: int = 5) -> None:
     """A complete save, as every rank leaves it once truneg marks it (META, then `latest`)."""
-    from truneg.train.checkpoint import META_FILE
+    from truneg.train.checkpointing.checkpoint import META_FILE
 
     (checkpoints / f"global_step{step}").mkdir(parents=True)
     (checkpoints / f"global_step{step}" / META_FILE).write_text("{}")
@@ -150,7 +150,7 @@ def test_a_shared_folder_rank_0_cannot_write_in_stops_every_rank_with_one_line(t
     run as rank 0 of two: the outcome is shared by the same all-reduce."""
     from pathlib import Path
 
-    from truneg.train.run_dir import check_shared_output_dir
+    from truneg.train.checkpointing.run_dir import check_shared_output_dir
 
     check_shared_output_dir(tmp_path / "out", rank=0, world_size=2)  # the probe written, read and removed
     assert list((tmp_path / "out").iterdir()) == []
@@ -177,7 +177,8 @@ def test_a_hub_name_is_downloaded_by_each_nodes_local_rank_0_first_and_recorded_
     from conftest import hub_snapshot
 
     from truneg.model import hub, pretrainers
-    from truneg.train import build, distributed
+    from truneg.train import build
+    from truneg.train.ranks import distributed
 
     snapshot = hub_snapshot(offline_hub, "org/tiny-bert", "c0" * 20)
     pretrainers.build_pretrainer("bert-tiny", pretrainers.ObjectiveConfig()).mlm.save_pretrained(snapshot)
@@ -248,7 +249,7 @@ def test_a_start_from_the_checkpoint_records_and_carries_what_it_loaded_and_a_re
 
     from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
     from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
-    from truneg.train.export import POOLER_FILE, save_hf_configs
+    from truneg.train.checkpointing.export import POOLER_FILE, save_hf_configs
 
     cfg = RunConfig.from_args(parse_args(["--init-from", "org/tiny-bert", "--output-dir", str(tmp_path / "cut")]))
     parts = {"architecture": {"family": "bert", "layers": 2}, "synonym_table": None, "data": "d"}

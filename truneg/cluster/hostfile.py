@@ -26,7 +26,7 @@ from truneg.cluster.env_file import (
     write_env_file,
 )
 from truneg.errors import UserError, exit_on_user_error
-from truneg.train.ds_config import GPU_ARCH_ENV
+from truneg.train.config.ds_config import GPU_ARCH_ENV
 
 # Open MPI's hostfiles (which its DeepSpeed runner hands to mpirun) may add max_slots=N (max-slots=N) and a comment.
 LINE = re.compile(r"^(\S+)\s+slots=(\d+)(?:\s+max[-_]slots=\d+)?\s*(?:#.*)?$")

@@ -4,7 +4,7 @@
         --model bert-large --train-data /shared/corpus --output-dir /shared/runs/bl --max-steps 15625 [--gpu-arch sm70]
 
 prints what the run would do, one `key: value` a line, and exits 0; or one line per problem and exits 2.
-The checks themselves live in truneg.train.checks, which pretrain.py's start-up runs too.
+The checks themselves live in truneg.train.config.checks, which pretrain.py's start-up runs too.
 """
 from __future__ import annotations
 
@@ -25,17 +25,17 @@ from truneg.cluster.hostfile import (
 )
 from truneg.data.masking import default_max_predictions
 from truneg.errors import UserError, out_of_range
-from truneg.train import ds_config, memory
-from truneg.train.args import argument_problems
-from truneg.train.args import build_parser as pretrain_parser
-from truneg.train.checks import (
+from truneg.train.config import ds_config, memory
+from truneg.train.config.args import argument_problems
+from truneg.train.config.args import build_parser as pretrain_parser
+from truneg.train.config.checks import (
     deepspeed_optimizer,
     effective_preset,
     path_problems,
     resolve_config,
     start_problems,
 )
-from truneg.train.ds_config import GPU_ARCHS
+from truneg.train.config.ds_config import GPU_ARCHS
 
 BYTES_PER_PARAM = {"fp32": 16, "fp16": 14, "bf16": 14}  # weights + fp32 master + two moments (Adam, LAMB)
 

@@ -34,10 +34,10 @@ from truneg.eval.robustness import evaluate_glue
 from truneg.eval.seeds import run_seeds, seed_dir
 from truneg.eval.squad import finetune_squad
 from truneg.eval.variants import VARIANTS, folder_name, run_dir
-from truneg.train.args import parse_args
-from truneg.train.checkpoint import complete_tags, latest_tag, step_of_tag
-from truneg.train.export import export
-from truneg.train.run_config import CHECKPOINTS
+from truneg.train.checkpointing.checkpoint import complete_tags, latest_tag, step_of_tag
+from truneg.train.checkpointing.export import export
+from truneg.train.config.args import parse_args
+from truneg.train.config.run_config import CHECKPOINTS
 
 STAGES_FILE = "stages.json"
 # What makes two invocations the same ablation: a stage recorded under other values would be another run's

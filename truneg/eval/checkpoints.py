@@ -18,8 +18,8 @@ from truneg.errors import UserError
 from truneg.model import hub
 from truneg.model.presets import load_pretrained
 from truneg.model.pretrainers import BertPretrainer, ElectraPretrainer, ObjectiveConfig, build_pretrainer
-from truneg.train import checkpoint, integrity
-from truneg.train.export import load_parts, run_tokenizer_dir
+from truneg.train.checkpointing import checkpoint, integrity
+from truneg.train.checkpointing.export import load_parts, run_tokenizer_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

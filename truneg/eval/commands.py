@@ -160,7 +160,7 @@ def _fn_cases(args) -> None:
 
 def _eval(args) -> None:
     from truneg.eval.heldout_eval import evaluate_checkpoints
-    from truneg.train.run_config import EVAL_MAX_SEQUENCES
+    from truneg.train.config.run_config import EVAL_MAX_SEQUENCES
 
     evaluate_checkpoints(args.path, args.data, args.generator, args.seq_len,
                          args.eval_max_sequences or EVAL_MAX_SEQUENCES, args.synonyms, args.tokenizer, args.batch_size,

@@ -42,8 +42,8 @@ from truneg.errors import UserError
 from truneg.model import hub
 from truneg.model.presets import load_pretrained
 from truneg.model.pretrainers import decays
-from truneg.train.distributed import init_distributed
-from truneg.train.ds_config import MONITORS, read_config
+from truneg.train.config.ds_config import MONITORS, read_config
+from truneg.train.ranks.distributed import init_distributed
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset

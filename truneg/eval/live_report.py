@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 
 from truneg.errors import UserError
 from truneg.eval.figures import save_with_footer
-from truneg.train.records import EVAL_PREFIX, is_eval_record
+from truneg.train.observe.records import EVAL_PREFIX, is_eval_record
 
 # the curves drawn, where a run has them: (key, axis label)
 CURVES = [("eval_mlm_loss", "MLM loss"), ("eval_mlm_accuracy", "MLM accuracy"), ("eval_disc_auc", "disc. AUC"),

@@ -17,7 +17,6 @@ import statistics
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
 from truneg.eval.variants import VARIANTS, variant_of_folder
 
@@ -55,6 +54,8 @@ def paired(variant: dict[str, float], baseline: dict[str, float]) -> dict:
     out = {"n": len(diffs), "mean": statistics.fmean(diffs) if diffs else None, "low": None, "high": None, "p": None,
            "sd": statistics.stdev(diffs) if len(diffs) >= 2 else None}
     if len(diffs) >= 2 and max(diffs) - min(diffs) >= RESOLUTION:
+        from scipy import stats  # (a second of imports: `truneg report` of runs without seeds to pair pays none)
+
         half = stats.t.ppf(0.5 + CONFIDENCE / 2, len(diffs) - 1) * out["sd"] / math.sqrt(len(diffs))
         out.update(low=out["mean"] - half, high=out["mean"] + half, p=sign_flip_p(diffs))
     return out

@@ -18,11 +18,12 @@ from truneg.model.compile import compile_layers
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, parameter_groups
 from truneg.synonyms.sources import build_from_embeddings, wordnet_for_vocab
 from truneg.synonyms.table import SynonymLookup, SynonymTable
-from truneg.train import checkpoint, distributed
-from truneg.train.args import parse_args
-from truneg.train.checks import deepspeed_optimizer, resolve_config, start_problems
+from truneg.train.checkpointing import checkpoint
+from truneg.train.config.args import parse_args
+from truneg.train.config.checks import deepspeed_optimizer, resolve_config, start_problems
+from truneg.train.config.run_config import HC_SOURCES, RunConfig
 from truneg.train.fused_grads import fuse_bf16_grad_accumulation
-from truneg.train.run_config import HC_SOURCES, RunConfig
+from truneg.train.ranks import distributed
 
 if TYPE_CHECKING:
     import torch

@@ -31,7 +31,7 @@ from truneg.model.pretrainers import BertPretrainer, bert_masked_logits, fill_ma
 from truneg.synonyms.sources import wordnet_for_vocab
 from truneg.synonyms.table import SynonymLookup, SynonymTable
 from truneg.train.build import Start, open_blocks
-from truneg.train.checkpoint import HF_CONFIG_DIR
+from truneg.train.checkpointing.checkpoint import HF_CONFIG_DIR
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
 
-    from truneg.train.run_config import RunConfig
+    from truneg.train.config.run_config import RunConfig
 
 EVAL_SEED = 0  # fn-stats' default seed: not --seed, so that runs of different seeds see the same masks
 EVAL_SYNONYMS_FILE = "eval_synonyms.npz"  # --eval-synonyms' table, in checkpoints/hf_config/: `truneg eval`'s default

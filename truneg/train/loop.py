@@ -23,14 +23,15 @@ from torch._dynamo.utils import counters
 from truneg.data.blocks import ResumableSampler
 from truneg.data.masking import MaskedBatches
 from truneg.errors import UserError
-from truneg.train import checkpoint, replicas
-from truneg.train.distributed import on_rank_zero, seed
-from truneg.train.ds_config import MONITORS
-from truneg.train.efficiency import Efficiency, TimedBatches, console_fields
-from truneg.train.metrics import MetricsLogger
-from truneg.train.profiling import StepProfiler
-from truneg.train.run_config import RunConfig
-from truneg.train.watchdog import EVAL, FIRST_STEP, LOAD, SAVE, STEP, StepWatchdog
+from truneg.train.checkpointing import checkpoint
+from truneg.train.config.ds_config import MONITORS
+from truneg.train.config.run_config import RunConfig
+from truneg.train.observe.efficiency import Efficiency, TimedBatches, console_fields
+from truneg.train.observe.metrics import MetricsLogger
+from truneg.train.observe.profiling import StepProfiler
+from truneg.train.ranks import replicas
+from truneg.train.ranks.distributed import on_rank_zero, seed
+from truneg.train.ranks.watchdog import EVAL, FIRST_STEP, LOAD, SAVE, STEP, StepWatchdog
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine

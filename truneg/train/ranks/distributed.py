@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 from torch.utils.cpp_extension import _get_build_directory
 
 from truneg.errors import UserError
-from truneg.train.watchdog import enable_flight_recorder
+from truneg.train.ranks.watchdog import enable_flight_recorder
 
 STALE_BUILD_LOCK_S = 600
 

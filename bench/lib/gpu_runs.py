@@ -1,23 +1,22 @@
-"""In-process runs of truneg for bench/gpu_check.py: the GPU check's and the dry run's settings (`Mode`),
-the dry run's stand-ins for the shipped GPU configs, and `run_pretrain`, which runs truneg's own entry point
-(`truneg.pretrain.main`) in this process and reports what DeepSpeed built."""
+"""In-process runs of truneg for bench/gpu_check.py (and bench/gpu_mfu.py, bench/gpu_zero_stages.py,
+bench/host_ops.py): the GPU check's and the dry run's settings (`Mode`), the dry run's stand-ins for the shipped
+GPU configs, and `run_pretrain`, which runs truneg's own entry point (`truneg.pretrain.main`) in this process and
+reports what DeepSpeed built. Imported as bench.lib.gpu_runs, after the script has put the repo root on sys.path."""
 from __future__ import annotations
 
 import contextlib
 import copy
 import gc
 import json
-import sys
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from truneg.data.blocks import DEMO_CORPUS as CORPUS
+from truneg.train.config.ds_config import DS_CONFIGS
 
-from truneg.data.blocks import DEMO_CORPUS as CORPUS  # noqa: E402
-from truneg.train.ds_config import DS_CONFIGS  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]  # bench/lib/gpu_runs.py -> the repo root
 
 
 @dataclass(frozen=True)
@@ -167,7 +166,7 @@ def plain_step(model, optimizer, batch: dict, accum: int) -> None:
 
 
 def read_records(output_dir: Path) -> list[dict]:
-    from truneg.train.run_config import METRICS
+    from truneg.train.config.run_config import METRICS
 
     metrics = output_dir / METRICS
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -202,7 +201,7 @@ def common_args(mode: Mode, model: str, config: Path, micro: int, accum: int) ->
 
 def config_split(path: Path, world_size: int = 1) -> tuple[str, int, int]:
     """The config's own batch arithmetic on this world size, as truneg resolves it: (line, micro, accumulation)."""
-    from truneg.train import ds_config as dsc
+    from truneg.train.config import ds_config as dsc
 
     resolved, choices = dsc.resolve(path, world_size, 10, Path("unused"))
     return choices[0], resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"]

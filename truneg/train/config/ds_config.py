@@ -14,7 +14,7 @@ from pathlib import Path
 
 from truneg.errors import UserError, exit_on_user_error, out_of_range
 
-DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
+DS_CONFIGS = Path(__file__).resolve().parents[3] / "ds_configs"
 CPU_CONFIG = DS_CONFIGS / "cpu_zero2.json"
 # DeepSpeed's monitor sections, with the folder under --output-dir of each that writes files
 MONITORS = {"tensorboard": "tensorboard", "csv_monitor": "csv", "wandb": None, "comet": None}
@@ -36,7 +36,7 @@ _RECIPES = {
     ("bert-large", False): "bert_large", ("bert-large", True): "bert_large_continued",
 }
 # The launch scripts' GPU=... names and the compute capability each stands for (launch/common.sh asks here,
-# through `python -m truneg.train.ds_config`, for the architecture its ranks check and for each recipe's file).
+# through `python -m truneg.train.config.ds_config`, for the architecture its ranks check and for each recipe's file).
 LAUNCH_GPUS = {"v100": (7, 0), "a100": (8, 0), "h100": (9, 0), "h200": (9, 0)}
 # --gpu-arch's names: the architectures of the launch scripts' GPU=... (sm70, sm80, sm90)
 GPU_ARCHS = {f"sm{major}{minor}": (major, minor) for major, minor in LAUNCH_GPUS.values()}
@@ -298,12 +298,12 @@ def precision_of(config: dict) -> str:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    """For launch/common.sh: `python -m truneg.train.ds_config arch GPU` prints the architecture of GPU=... (sm70, ...),
-    which the ranks check against their own; `python -m truneg.train.ds_config recipe STEM GPU` the recipe's config
-    file."""
+    """For launch/common.sh: `python -m truneg.train.config.ds_config arch GPU` prints the architecture of GPU=...
+    (sm70, ...), which the ranks check against their own; `python -m truneg.train.config.ds_config recipe STEM GPU`
+    the recipe's config file."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m truneg.train.ds_config")
+    parser = argparse.ArgumentParser(prog="python -m truneg.train.config.ds_config")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("arch").add_argument("gpu")
     recipe = commands.add_parser("recipe")

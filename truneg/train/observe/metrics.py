@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
-from truneg.train.efficiency import THROUGHPUT_KEYS
-from truneg.train.records import EVAL_PREFIX, console_line, dumps, is_eval_record
-from truneg.train.run_config import METRICS
+from truneg.train.config.run_config import METRICS
+from truneg.train.observe.efficiency import THROUGHPUT_KEYS
+from truneg.train.observe.records import EVAL_PREFIX, console_line, dumps, is_eval_record
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from truneg.train.efficiency import Efficiency
+    from truneg.train.observe.efficiency import Efficiency
 
 
 def _step_of(line: str) -> float:

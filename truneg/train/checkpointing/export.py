@@ -22,8 +22,8 @@ from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, Electr
 from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
 from truneg.errors import UserError, check_output_path
 from truneg.model.pretrainers import ElectraPretrainer, ObjectiveConfig
-from truneg.train import checkpoint, integrity
-from truneg.train.checkpoint import HF_CONFIG_DIR
+from truneg.train.checkpointing import checkpoint, integrity
+from truneg.train.checkpointing.checkpoint import HF_CONFIG_DIR
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -25,8 +25,8 @@ from truneg.data.masking import default_max_predictions
 from truneg.errors import UserError, check_output_path
 from truneg.model import hub
 from truneg.model.presets import DEFAULT_PRESET, foreign_model_problem, matching_preset
-from truneg.train import ds_config, memory
-from truneg.train.ds_config import GPU_ARCH_ENV, GPU_ARCHS
+from truneg.train.config import ds_config, memory
+from truneg.train.config.ds_config import GPU_ARCH_ENV, GPU_ARCHS
 
 # The torch wheels that carry each generation's kernels (pytorch/pytorch#172352: 2.11 dropped sm_70 from
 # the CUDA 12.8 wheels, and the CUDA 13 wheels never had it).
@@ -58,7 +58,7 @@ def resolve_config(args: argparse.Namespace, world_size: int, capability=_LOCAL,
     micro_batch_size, gradient_accumulation_steps, lr, seq_len, max_predictions, sr). capability: (major, minor)
     of the GPUs, None for the CPU, "local" (default) for this machine's; memory_gib: the GPUs' memory, None where
     unknown, "local" for this machine's. A shipped GPU recipe's micro-batch follows the memory where it is known
-    (truneg.train.memory). Raises UserError when the batch does not split."""
+    (truneg.train.config.memory). Raises UserError when the batch does not split."""
     capability = _capability(capability)
     memory_gib = memory.local_memory_gib() if memory_gib == _LOCAL else memory_gib
     path = args.deepspeed_config

@@ -15,10 +15,10 @@ from deepspeed.accelerator import get_accelerator
 
 from truneg.data.corpus import is_hf
 from truneg.errors import UserError
-from truneg.train.checkpoint import complete_tags
-from truneg.train.distributed import on_rank_zero
-from truneg.train.ds_config import MONITORS
-from truneg.train.run_config import CHECKPOINTS, HC_SOURCES, METRICS, PROFILE, RunConfig
+from truneg.train.checkpointing.checkpoint import complete_tags
+from truneg.train.config.ds_config import MONITORS
+from truneg.train.config.run_config import CHECKPOINTS, HC_SOURCES, METRICS, PROFILE, RunConfig
+from truneg.train.ranks.distributed import on_rank_zero
 
 RUN_FILE = "run.json"
 SHARED_PROBE_TIMEOUT_S = 10.0  # network file systems cache attributes for a few seconds

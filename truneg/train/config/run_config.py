@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from truneg.data.masking import default_max_predictions
-from truneg.train.profiling import parse_profile_ranks, parse_profile_steps
 
 # The output folder's layout (--output-dir), besides run.json (run_dir.RUN_FILE) and DeepSpeed's monitors'
 # folders (config.MONITORS).
@@ -54,8 +53,8 @@ class RunConfig:
     seed: int
     compile: str | None  # None | layers | whole (truneg.model.compile)
     # watching the run: not its identity (run_dir.run_identity), a resume may change them
-    peak_tflops: float | None  # MFU's peak; None: the device's, where known (truneg.train.flops)
-    profile_steps: tuple[int, int] | None  # --profile-steps A:B (truneg.train.profiling)
+    peak_tflops: float | None  # MFU's peak; None: the device's, where known (truneg.train.observe.flops)
+    profile_steps: tuple[int, int] | None  # --profile-steps A:B (truneg.train.observe.profiling)
     profile_ranks: tuple[int, ...] | None  # None: every rank
     eval_data: list[str] | None  # held-out text (truneg.train.heldout); None: no evaluation
     eval_steps: int | None  # None: at each checkpoint save (and always at step 0 and the last step)
@@ -99,3 +98,46 @@ class RunConfig:
     @property
     def profile_dir(self) -> Path:
         return self.output_dir / PROFILE
+
+
+# --profile-steps and --profile-ranks, parsed and checked before any process group (the profiler: profiling.py)
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """'A:B' -> (A, B), optimizer steps with 1 <= A <= B; ValueError with the reason otherwise."""
+    first, sep, last = text.partition(":")
+    try:
+        window = int(first), int(last)
+    except ValueError:
+        window = None
+    if not sep or window is None or not 1 <= window[0] <= window[1]:
+        raise ValueError(f"--profile-steps takes A:B, optimizer steps with 1 <= A <= B (e.g. 10:12), not {text!r}")
+    return window
+
+
+def parse_profile_ranks(text: str) -> tuple[int, ...]:
+    """'0,3' -> (0, 3), global ranks; ValueError with the reason otherwise."""
+    try:
+        ranks = tuple(sorted({int(r) for r in text.split(",")}))
+    except ValueError:
+        ranks = ()
+    if not ranks or ranks[0] < 0:
+        raise ValueError(f"--profile-ranks takes global ranks separated by commas (e.g. 0,3), not {text!r}")
+    return ranks
+
+
+def profile_problems(steps: str | None, ranks: str | None, max_steps: int) -> list[str]:
+    """One line per problem of the profiler's flags (args.argument_problems, before any process group)."""
+    problems = []
+    for text, parse in ((steps, parse_profile_steps), (ranks, parse_profile_ranks)):
+        if text is not None:
+            try:
+                parse(text)
+            except ValueError as err:
+                problems.append(str(err))
+    if steps is not None and not problems and parse_profile_steps(steps)[1] > max_steps:
+        problems.append(f"--profile-steps {steps} ends past --max-steps {max_steps}: the run stops at step "
+                        f"{max_steps}; profile steps within it")
+    if ranks is not None and steps is None:
+        problems.append("--profile-ranks chooses the ranks --profile-steps profiles: pass --profile-steps A:B too")
+    return problems

@@ -1,4 +1,4 @@
-"""How well a run uses its devices, at each log step: `tflops` and `mfu` (truneg.train.flops), the peak memory
+"""How well a run uses its devices, at each log step: `tflops` and `mfu` (truneg.train.observe.flops), the peak memory
 of the interval (its largest over the ranks), `data_wait_fraction` and the last step's `grad_norm`.
 
 Nothing here waits on the device inside a step: the input's wait is host time around `next()`, the peaks are the
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from truneg.train.flops import model_train_flops, run_peak_tflops
+from truneg.train.observe.flops import model_train_flops, run_peak_tflops
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

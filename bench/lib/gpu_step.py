@@ -10,7 +10,7 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from bench.gpu_runs import (
+from bench.lib.gpu_runs import (
     DS_CONFIGS,
     Mode,
     Summary,
@@ -216,7 +216,7 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
 
     cuda = not mode.dry_run
     gemm = measure_gemm(cuda)
-    from truneg.train.flops import dense_peak_tflops
+    from truneg.train.observe.flops import dense_peak_tflops
 
     name = torch.cuda.get_device_name() if cuda else "CPU"
     note(f"  GEMM: {gemm:.3g} TFLOP/s ({'bf16 8192^3' if cuda else 'fp32 512^3'}); dense bf16 peak of {name}: "
@@ -276,9 +276,9 @@ def stage_throughput(mode: Mode, note: Summary, work: Path) -> bool:
 
 def tflops_per_sample(preset: str, seq_len: int) -> float:
     """Training TFLOPs per sample at the run's default --max-predictions: truneg's one formula
-    (truneg.train.flops, checked against DeepSpeed's flops profiler by tests/train/test_efficiency.py; tolerance:
-    docs/pretraining.md)."""
-    from truneg.train.flops import preset_train_flops
+    (truneg.train.observe.flops, checked against DeepSpeed's flops profiler by tests/train/test_efficiency.py;
+    tolerance: docs/pretraining.md)."""
+    from truneg.train.observe.flops import preset_train_flops
 
     return preset_train_flops(preset, seq_len) / 1e12
 

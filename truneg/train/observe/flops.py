@@ -1,5 +1,5 @@
 """Model FLOPs of a training step, and the devices' dense peaks: the one formula behind `tflops` and `mfu`
-(metrics.jsonl), bench/gpu_step.py, bench/gpu_mfu.py and bench/loader_rate.py.
+(metrics.jsonl), bench/lib/gpu_step.py, bench/gpu_mfu.py and bench/loader_rate.py.
 
 What counts: every matrix product of the forward, at 2 FLOPs a multiply-add, as DeepSpeed's flops profiler and
 the PaLM / Megatron MFU convention count them; a training step is 3 forwards (the backward costs 2). What does

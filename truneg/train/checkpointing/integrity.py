@@ -28,7 +28,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from truneg.errors import UserError
-from truneg.train.distributed import on_every_rank
+from truneg.train.ranks.distributed import on_every_rank
 
 MANIFEST_FILE = "truneg_manifest.json"
 META_FILE = "truneg_meta.json"  # written after the manifest: not in it

@@ -16,46 +16,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 TOP_OPERATORS = 15
 
 
-def parse_profile_steps(text: str) -> tuple[int, int]:
-    """'A:B' -> (A, B), optimizer steps with 1 <= A <= B; ValueError with the reason otherwise."""
-    first, sep, last = text.partition(":")
-    try:
-        window = int(first), int(last)
-    except ValueError:
-        window = None
-    if not sep or window is None or not 1 <= window[0] <= window[1]:
-        raise ValueError(f"--profile-steps takes A:B, optimizer steps with 1 <= A <= B (e.g. 10:12), not {text!r}")
-    return window
-
-
-def parse_profile_ranks(text: str) -> tuple[int, ...]:
-    """'0,3' -> (0, 3), global ranks; ValueError with the reason otherwise."""
-    try:
-        ranks = tuple(sorted({int(r) for r in text.split(",")}))
-    except ValueError:
-        ranks = ()
-    if not ranks or ranks[0] < 0:
-        raise ValueError(f"--profile-ranks takes global ranks separated by commas (e.g. 0,3), not {text!r}")
-    return ranks
-
-
-def profile_problems(steps: str | None, ranks: str | None, max_steps: int) -> list[str]:
-    """One line per problem of the profiler's flags (args.argument_problems, before any process group)."""
-    problems = []
-    for text, parse in ((steps, parse_profile_steps), (ranks, parse_profile_ranks)):
-        if text is not None:
-            try:
-                parse(text)
-            except ValueError as err:
-                problems.append(str(err))
-    if steps is not None and not problems and parse_profile_steps(steps)[1] > max_steps:
-        problems.append(f"--profile-steps {steps} ends past --max-steps {max_steps}: the run stops at step "
-                        f"{max_steps}; profile steps within it")
-    if ranks is not None and steps is None:
-        problems.append("--profile-ranks chooses the ranks --profile-steps profiles: pass --profile-steps A:B too")
-    return problems
-
-
 class StepProfiler:
     """`with profiler.step(n):` around optimizer step n; a context manager for the run, which writes what it
     recorded if the run stops inside the window (a signal, the last step)."""

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from truneg.errors import UserError
-from truneg.train import integrity
-from truneg.train.distributed import on_rank_zero
-from truneg.train.run_config import CHECKPOINTS
+from truneg.train.checkpointing import integrity
+from truneg.train.config.run_config import CHECKPOINTS
+from truneg.train.ranks.distributed import on_rank_zero
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine

@@ -21,8 +21,7 @@ from truneg.model.presets import (
     is_electra,
     is_electra_checkpoint,
 )
-from truneg.train.profiling import profile_problems
-from truneg.train.run_config import EVAL_MAX_SEQUENCES
+from truneg.train.config.run_config import EVAL_MAX_SEQUENCES, profile_problems
 
 USAGE = """Pre-train BERT (MLM) or ELECTRA (RTD) on DeepSpeed, with the paper's hard correction and soft regularization.
 
