@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states.
     state = loop.start_state(cfg, engine, blocks, start.tokenizer, start.resume, tag)
     if eval_blocks is not None:
-        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer)
+        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer, start.table)
 
     # 7. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.
     try:

@@ -261,11 +261,14 @@ class HeldOut:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
-                tokenizer: PreTrainedTokenizerBase) -> HeldOut:
-        """A run's evaluation: its micro-batch shape and rank, and the one eval table (not the run's HC table)."""
+                tokenizer: PreTrainedTokenizerBase, hc_table: SynonymTable | None) -> HeldOut:
+        """A run's evaluation: its micro-batch shape and rank, and the one eval table (not the run's HC table, but
+        for a `--hc wordnet` run the table it already built: WordNet's, built anew for a vocab not shipped)."""
+        same = cfg.hc == "wordnet" and not cfg.eval_synonyms
+        table = hc_table if same else eval_table(tokenizer, cfg.eval_synonyms)
         heldout = cls(blocks, tokenizer, engine.module.scheme, cfg.eval_max_sequences,
-                      engine.train_micro_batch_size_per_gpu(), eval_table(tokenizer, cfg.eval_synonyms), engine.device,
-                      dist.get_rank(), dist.get_world_size())
+                      engine.train_micro_batch_size_per_gpu(), table, engine.device, dist.get_rank(),
+                      dist.get_world_size())
         heldout.every, heldout.last = cfg.eval_steps or cfg.save_steps, cfg.max_steps
         return heldout
 
