@@ -53,8 +53,11 @@ if [ -z "$OUTPUT" ]; then
 fi
 mkdir -p "$OUTPUT"
 OUTPUT="$(cd "$OUTPUT" && pwd)"
+# The env file goes in the folder of the run this launch writes (BERT's phase 2: its own, never phase 1's).
+RUN_DIR="${RUN_DIR:-$OUTPUT}"
+mkdir -p "$RUN_DIR"
 if [ "$HOSTFILE" != local ]; then
-  export DS_ENV_FILE="$OUTPUT/deepspeed_env"
+  export DS_ENV_FILE="$(cd "$RUN_DIR" && pwd)/deepspeed_env"
   written=(--env-file "$DS_ENV_FILE" --launcher-args="${LAUNCHER_ARGS:-}")  # its launcher decides PATH
   # each rank checks its GPU against GPU=... (a check PREFLIGHT=0 skips, as the preflight)
   if [ "${PREFLIGHT:-1}" != 0 ]; then written+=(--gpu-arch "$GPU_ARCH"); fi
@@ -76,17 +79,23 @@ recipe() {  # recipe STEM: the recipe's config for $GPU (fp16 ZeRO-2 for a V100,
   "$PYTHON" -m truneg.train.config.ds_config recipe "$1" "$GPU"
 }
 
-pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's run
+recipe_flags() {  # recipe_flags MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's
+  # pretrain.py flags, into the array `flags` (OUTPUT, DATA, CONFIG, STEPS, KEEP, HC, SR, COMPILE as above)
   local model=$1 seq=$2 config=$3 steps=$4 save=$5 log=$6
   shift 6
   : "${DATA:?set DATA to the corpus (a prepared folder, files, a folder or a glob)}"
   local compile=() hc="${HC:-none}"
   if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile); fi
   case "$hc" in none|wordnet|embedding) ;; *) hc="$(absolute "$hc")" ;; esac  # or a table file
-  launch --model "$model" --seq-len "$seq" --deepspeed_config "$(absolute "${CONFIG:-$config}")" \
-    --train-data "$(absolute "$DATA")" \
-    --output-dir "$OUTPUT" --max-steps "${STEPS:-$steps}" --save-steps "$save" --keep-checkpoints "${KEEP:-3}" \
-    --log-steps "$log" --hc "$hc" --sr "${SR:-none}" ${compile[@]+"${compile[@]}"} "$@"
+  flags=(--model "$model" --seq-len "$seq" --deepspeed_config "$(absolute "${CONFIG:-$config}")"
+    --train-data "$(absolute "$DATA")"
+    --output-dir "$OUTPUT" --max-steps "${STEPS:-$steps}" --save-steps "$save" --keep-checkpoints "${KEEP:-3}"
+    --log-steps "$log" --hc "$hc" --sr "${SR:-none}" ${compile[@]+"${compile[@]}"} "$@")
+}
+
+pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's run
+  recipe_flags "$@"
+  launch "${flags[@]}"
 }
 
 continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's continued pre-training at seq 512
@@ -99,12 +108,20 @@ continued() {  # continued MODEL RECIPE INIT_HINT [more flags]: the paper's cont
   pretrain "$model" 512 "$config" 200000 5000 100 "${init[@]}" "$@"
 }
 
-launch() {
+preflight() {  # preflight FLAGS: `truneg preflight` of pretrain.py's flags (PREFLIGHT=0 skips it)
   if [ "${PREFLIGHT:-1}" != 0 ]; then
     local checked=(--gpu-arch "$GPU_ARCH")  # local: this machine's GPUs, as deepspeed counts them
     if [ "$HOSTFILE" != local ]; then checked+=(--hostfile "$HOSTFILE"); fi
     # LAUNCHER_ARGS' --launcher, --include/--exclude and --num_nodes/--num_gpus decide the nodes and the world size
     "$PYTHON" -m truneg.cluster.preflight ${checked[@]+"${checked[@]}"} --launcher-args="${LAUNCHER_ARGS:-}" "$@"
+  fi
+}
+
+launch() {  # launch FLAGS: the preflight, then deepspeed; WAIT=1 returns its status (a phase before another)
+  preflight "$@"
+  if [ "${WAIT:-0}" = 1 ]; then
+    "$DEEPSPEED" ${hosts[@]+"${hosts[@]}"} ${launcher_args[@]+"${launcher_args[@]}"} "$REPO/truneg/pretrain.py" "$@"
+    return
   fi
   # exec: the launcher's exit status, which is a failed rank's, is this script's.
   exec "$DEEPSPEED" ${hosts[@]+"${hosts[@]}"} ${launcher_args[@]+"${launcher_args[@]}"} "$REPO/truneg/pretrain.py" "$@"

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     model = build.build_model(cfg, start.table, vocab_size=len(start.tokenizer), init=init)
     identity = run_dir.run_identity(cfg, start.ds_config, {"architecture": architecture(model),
                                                            "synonym_table": build.table_fingerprint(start.table),
-                                                           **data_record, **build.init_record(init)})
+                                                           **data_record, **build.init_record(init),
+                                                           **(start.phase1.run_record() if start.phase1 else {})})
     run_dir.claim_output_dir(cfg, identity, rank)
     tag = checkpoint.prepare_universal(start.resume, world_size) if start.resume else None
 
@@ -58,10 +59,12 @@ def main(argv: list[str] | None = None) -> None:
         save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer, resumed=start.resume is not None)
         heldout.save_eval_table(cfg, start.tokenizer)
 
-    # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states.
-    state = loop.start_state(cfg, engine, blocks, start.tokenizer, start.resume, tag)
+    # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states (phase 2's start: the phase-1
+    #    tag's weights, optimizer and counters, all else fresh).
+    state = loop.start_state(cfg, engine, blocks, start.tokenizer, start.resume, tag, start.phase1)
     if eval_blocks is not None:
-        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer, start.table)
+        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer, start.table,
+                                                state.first_step)
 
     # 7. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.
     try:

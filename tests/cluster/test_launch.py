@@ -473,3 +473,53 @@ def test_preflight_prints_the_run_or_one_line_per_problem(tmp_path, capsys, monk
     assert "GPU=... says sm70 (TRUNEG_GPU_ARCH) but this node's GPU is sm_90: set GPU" in capsys.readouterr().err
     monkeypatch.setenv(checks.GPU_ARCH_ENV, "sm90")
     assert preflight.run(v100[2:]) == 0
+
+
+def test_bert_large_scratch_runs_phase_2_only_after_a_finished_phase_1(tmp_path):
+    """PHASE=all: phase 2's preflight first, then phase 1 (waited for), then phase 2 from phase 1's checkpoints only
+    once phase 1's `latest` names its last step; a failed or stopped phase 1 ends the script with no phase 2, the same
+    command again skips a finished phase 1. A stub deepspeed records each launch and plays phase 1's end."""
+    log, out, out2 = tmp_path / "launches", tmp_path / "p1", tmp_path / "p2"
+    stub = tmp_path / "deepspeed"
+    stub.write_text('#!/bin/sh\necho "DEEPSPEED $*" >> "$LOG"\ncase "$*" in *"--seq-len 128"*)\n'
+                    '  if [ "$FINISH" = 1 ]; then mkdir -p "$OUTPUT/checkpoints"; '
+                    'echo "global_step$STEPS" > "$OUTPUT/checkpoints/latest"; fi\n  exit "$RC";;\nesac\n')
+    stub.chmod(0o755)
+    python = tmp_path / "python"  # the preflight, recorded in the same log
+    python.write_text(f'#!/bin/sh\nif [ "$2" = truneg.cluster.preflight ]; then echo "PREFLIGHT $*" >> "$LOG"; '
+                      f'exit 0; fi\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "DS_ENV_FILE"))},
+           "DEEPSPEED": str(stub), "PYTHON": str(python), "HOSTFILE": "local", "LOG": str(log), "OUTPUT": str(out),
+           "DATA": str(tmp_path / "c128"), "OUTPUT2": str(out2), "DATA2": str(tmp_path / "c512"), "STEPS": "3",
+           "PHASE": "all", "RC": "0", "FINISH": "1", "HOME": str(tmp_path)}
+
+    def launch(**extra):
+        log.unlink(missing_ok=True)
+        proc = subprocess.run(["bash", str(REPO / "launch" / "bert_large_scratch.sh"), "--seed", "3"],
+                              env={**env, **extra}, capture_output=True, text=True)
+        return proc, log.read_text().splitlines() if log.is_file() else []
+
+    for failed in ({"RC": "1", "FINISH": "0"}, {"RC": "0", "FINISH": "0"}):  # failed / stopped, `latest` not the last
+        proc, lines = launch(**failed)
+        assert proc.returncode == 1 and len(lines) == 3, (proc.stderr, lines)
+        assert lines[0].startswith("PREFLIGHT") and "--seq-len 512" in lines[0] and "--seq-len 128" in lines[1]
+        assert lines[2].startswith("DEEPSPEED") and "--seq-len 128" in lines[2]
+    assert "phase 1 stopped before its last step (global_step3)" in proc.stderr
+    proc, lines = launch()
+    assert proc.returncode == 0 and [line.split()[0] for line in lines] == ["PREFLIGHT"] * 2 + [
+        "DEEPSPEED", "PREFLIGHT", "DEEPSPEED"], (proc.stderr, lines)
+    phase2 = lines[-1]
+    assert (f"--seq-len 512 --deepspeed_config {REPO}/ds_configs/bert_large_seq512_v100_fp16_lamb_zero0.json "
+            f"--train-data {tmp_path}/c512 --output-dir {out2} --max-steps 1736 ") in phase2, phase2
+    assert phase2.endswith(f"--seed 3 --phase1-checkpoint {out}/checkpoints"), phase2
+    proc, lines = launch()  # phase 1 finished: straight to phase 2
+    assert proc.returncode == 0 and [line.split()[0] for line in lines] == ["PREFLIGHT", "PREFLIGHT", "DEEPSPEED"]
+    # PHASE=2 alone: AdamW's recipe for the GPU, its env file in phase 2's folder; without OUTPUT2: one line
+    proc, lines = launch(PHASE="2", OPT="adamw", GPU="a100", HOSTFILE=str(REPO / "launch" / "hosts"),
+                         STEPS2="7", PREFLIGHT="0")
+    assert proc.returncode == 0 and len(lines) == 1, proc.stderr
+    assert f"--deepspeed_config {REPO}/ds_configs/bert_large_seq512_a100_bf16_zero1.json " in lines[0]
+    assert "--max-steps 7 " in lines[0] and (out2 / "deepspeed_env").is_file() and not (out / "deepspeed_env").exists()
+    proc, _ = launch(PHASE="2", OUTPUT2="")
+    assert proc.returncode == 2 and proc.stderr.startswith("truneg: error: PHASE=2 needs OUTPUT2"), proc.stderr

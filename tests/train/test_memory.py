@@ -49,6 +49,21 @@ def test_the_estimate_reproduces_the_h200_measurement_and_80_gb_takes_bert_large
     assert memory.micro_for_memory(4, "bert-large", "bf16", 512, 80)[0] == 1
 
 
+def test_activation_checkpointing_keeps_each_layers_input_and_one_layers_activations():
+    """BERT-large at seq 512 (phase 2), bf16: every layer's input in half precision (24 x 1024 x 512 x 2 bytes), one
+    layer's activations (57 x 1024 x 512) and the head's logits (80 x 30522 x 12) a sample; that raises the micro-batch
+    the sizing picks on a 16 GB V100 from 8 to 64 (and to 256 on 80 GB)."""
+    per_sample = (24 * 1024 * 512 * 2 + 57 * 1024 * 512 + 80 * 30522 * 12) / 2**30
+    static, got = memory.estimate_gib("bert-large", "bf16", 512, 80, "none", checkpointing=True)
+    assert got == pytest.approx(per_sample, rel=1e-12) and static == memory.estimate_gib("bert-large", "bf16", 512, 80)[0]
+    assert [memory.micro_for_memory(gib, "bert-large", precision, 512, 80, "none", ck)[0]
+            for gib, precision in ((16, "fp16"), (80, "bf16")) for ck in (False, True)] == [8, 64, 64, 256]
+    # the preflight's sizing takes the flag
+    args = _args(seq_len=512, activation_checkpointing=True)
+    config, choices = checks.resolve_config(args, 8, (7, 0), 16)
+    assert config["train_micro_batch_size_per_gpu"] == 64 and "activation checkpointing" in " ".join(choices)
+
+
 def _args(**changes) -> argparse.Namespace:
     args = preflight.build_parser().parse_args(["--model", "bert-large", "--max-steps", "100"])
     for key, value in changes.items():

@@ -160,9 +160,11 @@ def run(argv: list[str] | None = None) -> int:
     if preset and capability is not None:  # the estimate at the micro-batch chosen, whatever chose it
         precision, micro = ds_config.precision_of(config), config["train_micro_batch_size_per_gpu"]
         predictions = args.max_predictions or default_max_predictions(args.seq_len)
-        static, per_sample = memory.estimate_gib(preset, precision, args.seq_len, predictions, args.sr)
+        checkpointing = bool(args.activation_checkpointing)
+        static, per_sample = memory.estimate_gib(preset, precision, args.seq_len, predictions, args.sr, checkpointing)
         print(f"GPU memory estimate: {static + micro * per_sample:.1f} GiB at micro-batch {micro} (weights and "
-              f"optimizer states {static:.1f} GiB, unpartitioned, + {per_sample:.3f} GiB a sample)"
+              f"optimizer states {static:.1f} GiB, unpartitioned, + {per_sample:.3f} GiB a sample"
+              f"{', activation checkpointing' if checkpointing else ''})"
               + (f" of {gpu_memory:g} GiB" if gpu_memory else "; pass --gpu-memory for the nodes' micro-batch"))
     return 0
 

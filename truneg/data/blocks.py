@@ -128,6 +128,14 @@ def is_prepared(path: str | Path) -> bool:
     return (Path(path) / prep.INDEX).is_file()
 
 
+def prepared_seq_len(folder: str | Path) -> int | None:
+    """The --seq-len a prepared folder's blocks have (its index), without opening them; None for a damaged index."""
+    try:
+        return int(prep._read_json(Path(folder) / prep.INDEX)["seq_len"])
+    except (UserError, KeyError, TypeError, ValueError):
+        return None  # (open_prepared says what is wrong)
+
+
 def open_prepared(folder: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
                   seq_len: int | None = None) -> PreparedBlocks:
     """A prepared folder's blocks, checked against the tokenizer and --seq-len the run uses."""

@@ -353,6 +353,15 @@ def set_dropout(model: nn.Module, p: float) -> None:
             config.hidden_dropout_prob = config.attention_probs_dropout_prob = p
 
 
+def checkpoint_activations(model: BertPretrainer | ElectraPretrainer) -> None:
+    """--activation-checkpointing: each HF encoder layer keeps only its input for the backward and runs again there,
+    through HF's gradient checkpointing with torch's non-reentrant checkpoint (which dynamo traces inside a compiled
+    layer's graph; its RNG state is restored, so dropout draws the same masks and the gradients are the same)."""
+    parts = [model.mlm] if isinstance(model, BertPretrainer) else [model.generator, model.discriminator]
+    for part in parts:
+        part.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def decays(name: str) -> bool:
     """BERT's and ELECTRA's rule: weight decay on every parameter but biases and LayerNorm weights."""
     return not (name.endswith("bias") or "LayerNorm" in name)

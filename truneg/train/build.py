@@ -15,10 +15,10 @@ from truneg.data.blocks import ensure_prepared, load_tokenizer, open_prepared
 from truneg.errors import UserError
 from truneg.model import hub
 from truneg.model.compile import compile_layers
-from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, parameter_groups
+from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, checkpoint_activations, parameter_groups
 from truneg.synonyms.sources import build_from_embeddings, wordnet_for_vocab
 from truneg.synonyms.table import SynonymLookup, SynonymTable
-from truneg.train.checkpointing import checkpoint
+from truneg.train.checkpointing import checkpoint, phases
 from truneg.train.config.args import parse_args
 from truneg.train.config.checks import deepspeed_optimizer, resolve_config, start_problems
 from truneg.train.config.run_config import HC_SOURCES, RunConfig
@@ -56,8 +56,9 @@ class Start:
     ds_config: dict
     tokenizer: PreTrainedTokenizerBase
     table: SynonymTable | None
-    resume: checkpoint.ResumePoint | None
+    resume: checkpoint.ResumePoint | None  # this run's checkpoint, or (phase 2's start) the phase-1 tag
     prepared: Path | None = None  # the prepared folder of --train-data, on each node's local rank 0
+    phase1: phases.Phase1 | None = None  # --phase1-checkpoint's
 
 
 # DeepSpeed's fused optimizers, built just in time (and loaded under a lock) by the op of this name.
@@ -68,14 +69,19 @@ def checked_start(argv: list[str] | None = None) -> tuple[RunConfig, Start]:
     """Parse pretrain.py's arguments and run every check that needs no process group (see check_start)."""
     distributed.adopt_launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from mpirun/srun, before anything reads them
     cfg = RunConfig.from_args(parse_args(argv))
-    return cfg, check_start(cfg, distributed.launch_world_size())
+    phase1 = phases.find_phase1(cfg.phase1_checkpoint, cfg.output_dir) if cfg.phase1_checkpoint else None
+    if phase1 is not None:
+        cfg = phases.adopt(cfg, phase1)
+    start = check_start(cfg, distributed.launch_world_size(), phase1)
+    return cfg, start
 
 
-def check_start(cfg: RunConfig, world_size: int) -> Start:
+def check_start(cfg: RunConfig, world_size: int, phase1: phases.Phase1 | None = None) -> Start:
     """Everything that needs no process group, before `deepspeed.init_distributed`: the DeepSpeed config for
-    this world size, the resume point, the tokenizer, the synonym table, and the corpus (prepared here on
-    each node's local rank 0: a collective would time out while a large corpus is tokenized). A mistake is
-    one line on every rank, before any rank waits on another."""
+    this world size, the resume point (phase 2's own checkpoint, else the `phase1` tag it starts from), the
+    tokenizer, the synonym table, and the corpus (prepared here on each node's local rank 0: a collective would
+    time out while a large corpus is tokenized). A mistake is one line on every rank, before any rank waits on
+    another."""
     if get_accelerator().device_name() == "cpu":
         distributed.refuse_stale_build_lock("deepspeed_shm_comm")  # gloo ranks load DeepSpeed's CPU comm op
     else:
@@ -83,18 +89,25 @@ def check_start(cfg: RunConfig, world_size: int) -> Start:
     if cfg.profile_ranks and cfg.profile_ranks[-1] >= world_size:
         raise UserError(f"--profile-ranks {','.join(map(str, cfg.profile_ranks))} names a rank beyond this launch's "
                         f"{world_size} (global ranks 0 to {world_size - 1}); name ranks below {world_size}")
+    if cfg.resume not in ("auto", "none") and (problem := phases.resume_across_lengths_problem(cfg.resume,
+                                                                                               cfg.seq_len)):
+        raise UserError(problem)
     fresh = cfg.resume == "none" or cfg.overwrite
     resume = None if fresh else checkpoint.find_resume_point(cfg.resume, cfg.output_dir)
+    if resume is None and phase1 is not None:
+        resume = phase1.resume_point(cfg.output_dir)
     ds_config = deepspeed_config(cfg, world_size, load_universal=bool(resume and resume.universal(world_size)))
     jit_op = JIT_OPTIMIZER_OPS.get(deepspeed_optimizer(ds_config)[0])
     if jit_op and get_accelerator().device_name() != "cpu":
         distributed.refuse_stale_build_lock(jit_op)  # built on each node on first use, in its node-local folder
     tokenizer = load_tokenizer(cfg.tokenizer)
     table = synonym_table(cfg, tokenizer)
+    if phase1 is not None and (problem := phases.config_problem(phase1, ds_config, table_fingerprint(table))):
+        raise UserError(problem)
     prepared = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         prepared = ensure_prepared(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
-    return Start(ds_config, tokenizer, table, resume, prepared)
+    return Start(ds_config, tokenizer, table, resume, prepared, phase1)
 
 
 def open_blocks(cfg: RunConfig, start: Start) -> tuple[PreparedBlocks, dict]:
@@ -188,8 +201,11 @@ def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int,
     distributed.seed(cfg.seed)  # identical initial weights on every rank
     init = init or {}
     folders = {field: init[field].path if field in init else getattr(cfg, field) for field in INIT_FLAGS}
-    return build_pretrainer(cfg.model, objective, folders["init_from"], cfg.dropout, vocab_size,
-                            init_generator=folders["init_generator"], new_head=cfg.new_head)
+    model = build_pretrainer(cfg.model, objective, folders["init_from"], cfg.dropout, vocab_size,
+                             init_generator=folders["init_generator"], new_head=cfg.new_head)
+    if cfg.activation_checkpointing:
+        checkpoint_activations(model)
+    return model
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, ds_config: dict) -> DeepSpeedEngine:

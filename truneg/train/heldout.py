@@ -261,15 +261,16 @@ class HeldOut:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
-                tokenizer: PreTrainedTokenizerBase, hc_table: SynonymTable | None) -> HeldOut:
+                tokenizer: PreTrainedTokenizerBase, hc_table: SynonymTable | None, first_step: int = 0) -> HeldOut:
         """A run's evaluation: its micro-batch shape and rank, and the one eval table (not the run's HC table, but
-        for a `--hc wordnet` run the table it already built: WordNet's, built anew for a vocab not shipped)."""
+        for a `--hc wordnet` run the table it already built: WordNet's, built anew for a vocab not shipped).
+        `first_step`: where this phase's --max-steps count from (phase 2's: phase 1's last)."""
         same = cfg.hc == "wordnet" and not cfg.eval_synonyms
         table = hc_table if same else eval_table(tokenizer, cfg.eval_synonyms)
         heldout = cls(blocks, tokenizer, engine.module.scheme, cfg.eval_max_sequences,
                       engine.train_micro_batch_size_per_gpu(), table, engine.device, dist.get_rank(),
                       dist.get_world_size())
-        heldout.every, heldout.last = cfg.eval_steps or cfg.save_steps, cfg.max_steps
+        heldout.every, heldout.last = cfg.eval_steps or cfg.save_steps, first_step + cfg.max_steps
         return heldout
 
     def due(self, step: int) -> bool:

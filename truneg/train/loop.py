@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 from truneg.data.blocks import ResumableSampler
 from truneg.data.masking import MaskedBatches
 from truneg.errors import UserError
-from truneg.train.checkpointing import checkpoint
+from truneg.train.checkpointing import checkpoint, phases
 from truneg.train.config.ds_config import MONITORS
 from truneg.train.config.run_config import RunConfig
 from truneg.train.observe.efficiency import Efficiency, TimedBatches, console_fields
@@ -54,6 +54,7 @@ class TrainState:
     rank: int
     nonfinite_in_a_row: int = 0
     heldout: HeldOut | None = None  # --eval-data's evaluation
+    first_step: int = 0  # where --max-steps counts from: 0, or phase 1's last step for a phase 2
 
     def save(self, cfg: RunConfig, engine: DeepSpeedEngine, step: int) -> None:
         """A collective. The data position goes with DeepSpeed's client state, the RNG states and the metric
@@ -67,18 +68,32 @@ class TrainState:
 
 
 def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks, tokenizer: PreTrainedTokenizerBase,
-                resume: checkpoint.ResumePoint | None, tag: str | None) -> TrainState:
+                resume: checkpoint.ResumePoint | None, tag: str | None, phase1: phases.Phase1 | None = None
+                ) -> TrainState:
     """The state at the first step: fresh, or restored from `tag` (weights, optimizer, scheduler, step,
-    data position, RNG states and metric sums)."""
+    data position, RNG states and metric sums). Phase 2's start (`resume` the `phase1` tag) takes its weights,
+    optimizer moments (--reset-optimizer: emptied) and counters, with phase 2's optimizer settings, a fresh LR
+    schedule, data order, seeds and metric sums."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sampler = ResumableSampler(len(blocks), engine.train_micro_batch_size_per_gpu(), world_size, rank, cfg.seed,
                                engine.gradient_accumulation_steps())
     metrics = MetricsLogger(engine, cfg.output_dir, cfg.seq_len, rank)
     seed(cfg.seed, rank)
-    if resume is not None:
+    if resume is not None and resume.phase1:
+        settings = phases.Settings(engine)  # phase 2's, as its config built them
+        with StepWatchdog.timing(cfg.step_timeout, cfg.output_dir, checkpoint.step_of_tag(resume.tag), LOAD):
+            checkpoint.load(engine, resume.load_dir(world_size), tag, resume.saved_world_size, own_run=False)
+        settings.restore(engine)
+        if cfg.reset_optimizer:
+            phases.empty_moments(engine)
+        if rank == 0:
+            print(f"truneg: phase 2 from {resume.checkpoint_dir / resume.tag} at step {engine.global_steps}"
+                  f"{' (optimizer moments emptied)' if cfg.reset_optimizer else ''}", flush=True)
+    elif resume is not None:
         # timed as a save is (--step-timeout's long limit): a rank stuck in it is named before the collective timeout
         with StepWatchdog.timing(cfg.step_timeout, cfg.output_dir, checkpoint.step_of_tag(resume.tag), LOAD):
-            client_state, rank_state = checkpoint.load(engine, resume.checkpoint_dir, tag, resume.saved_world_size)
+            client_state, rank_state = checkpoint.load(engine, resume.load_dir(world_size), tag,
+                                                       resume.saved_world_size)
         sampler.load_state_dict(client_state["sampler"])
         step = engine.global_steps
         if rank_state is None:
@@ -97,7 +112,7 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
                                          cfg.max_predictions, cfg.data_workers, device=engine.device))
     metrics.efficiency = Efficiency.for_run(engine, batches, cfg.seq_len, cfg.max_predictions, cfg.peak_tflops, rank,
                                             world_size)
-    return TrainState(sampler, batches, metrics, rank)
+    return TrainState(sampler, batches, metrics, rank, first_step=phase1.step if phase1 else 0)
 
 
 class StopSignal:
@@ -231,7 +246,8 @@ def _evaluate(state: TrainState, engine: DeepSpeedEngine, step: int, watchdog: S
 
 
 def train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState) -> None:
-    profiler = StepProfiler(cfg.profile_steps, cfg.profile_ranks, state.rank, cfg.profile_dir, engine.device)
+    window = cfg.profile_steps and (cfg.profile_steps[0] + state.first_step, cfg.profile_steps[1] + state.first_step)
+    profiler = StepProfiler(window, cfg.profile_ranks, state.rank, cfg.profile_dir, engine.device)
     with StepWatchdog.running(cfg.step_timeout, cfg.output_dir) as watchdog, profiler:
         _train(cfg, engine, state, watchdog, profiler)
 
@@ -241,10 +257,10 @@ def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog:
     stop, guard, inject = StopSignal(), SkipGuard(engine), _injected_nonfinite_steps()
     diverge_at = replicas.injected_step()  # tests: rank 1 perturbs a weight after it (read on every rank)
     check_replicas = cfg.replica_check_steps > 0 and replicas.applies(engine)
-    start_step = engine.global_steps
-    # Step 0, before the first update. A resume evaluates its step only where that was due and has no record: a stop
-    # at an eval step saves without evaluating (a scheduler's grace is short).
-    if state.heldout is not None and (start_step == 0 or state.heldout.due(start_step)) \
+    start_step, last_step = engine.global_steps, state.first_step + cfg.max_steps
+    # The phase's first step, before its first update. A resume evaluates its step only where that was due and has no
+    # record: a stop at an eval step saves without evaluating (a scheduler's grace is short).
+    if state.heldout is not None and (start_step == state.first_step or state.heldout.due(start_step)) \
             and not state.metrics.has_evaluation(start_step):
         _evaluate(state, engine, start_step, watchdog)
         if watchdog is not None:
@@ -252,7 +268,7 @@ def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog:
     started = time.perf_counter()
     state.metrics.interval_start = started  # the throughput counts training, not the start-up or a resume's load
     step = start_step
-    while step < cfg.max_steps:
+    while step < last_step:
         if watchdog is not None:  # the launch's first step may compile, a profiled window's end writes traces (the
             # writing ranks in its last step, the others waiting in the next): the long limit
             long = step == start_step or profiler.writes_during(step + 1)
@@ -275,15 +291,15 @@ def _train(cfg: RunConfig, engine: DeepSpeedEngine, state: TrainState, watchdog:
                 )
         else:
             state.nonfinite_in_a_row = 0
-        if step % cfg.log_steps == 0 or step == cfg.max_steps:
+        if step % cfg.log_steps == 0 or step == last_step:
             record = state.metrics.log(step)
             if state.rank == 0 and record:
-                eta = (cfg.max_steps - step) * (time.perf_counter() - started) / max(step - start_step, 1)
-                print(_console_line(step, cfg.max_steps, record, eta, hc=cfg.hc != "none") + console_fields(record),
+                eta = (last_step - step) * (time.perf_counter() - started) / max(step - start_step, 1)
+                print(_console_line(step, last_step, record, eta, hc=cfg.hc != "none") + console_fields(record),
                       flush=True)
         # No checkpoint inside a run of skipped steps: `latest` stays the last good one.
-        saving = cfg.save_steps > 0 and (step % cfg.save_steps == 0 or step
-                                         == cfg.max_steps) and not state.nonfinite_in_a_row
+        saving = cfg.save_steps > 0 and (step % cfg.save_steps == 0 or step == last_step) \
+            and not state.nonfinite_in_a_row
         # nor of diverged replicas: checked before every save too (a collective, under the step's limit)
         if check_replicas and (step % cfg.replica_check_steps == 0 or saving or stop_requested):
             with state.metrics.paused():  # (not training: left out of the throughput, as the eval and the save)

@@ -159,9 +159,10 @@ def saved_samples(checkpoint_dir: Path, tag: str) -> int | None:
     return samples if isinstance(samples, int) else None
 
 
-def convert_to_universal(checkpoint_dir: Path, tag: str) -> Path:
-    """DeepSpeed's ds_to_universal on one tag; reused if already done. Returns the universal folder."""
-    out = checkpoint_dir / universal_tag(tag)
+def convert_to_universal(checkpoint_dir: Path, tag: str, into: Path | None = None) -> Path:
+    """DeepSpeed's ds_to_universal on one tag, into `into` (default: beside it); reused if already done. Returns the
+    universal folder."""
+    out = (into or checkpoint_dir) / universal_tag(tag)
     if (out / "zero").is_dir() and (out / META_FILE).is_file():
         return out
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
@@ -274,15 +275,16 @@ def _remove(folder: Path) -> None:
         shutil.rmtree(doomed)
 
 
-def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str, saved_world_size: int | None
-         ) -> tuple[dict, dict | None]:
+def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str, saved_world_size: int | None,
+         own_run: bool = True) -> tuple[dict, dict | None]:
     """Load `tag`, written by `saved_world_size` ranks (its META; a universal tag keeps its source's). Returns
-    (client_state, this rank's state, or None if the checkpoint was written by another world size)."""
+    (client_state, this rank's state, or None if the checkpoint was written by another world size or, `own_run`
+    False, by another run: a phase-1 tag, whose LR schedule is not loaded either)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     integrity.verify_before_load(checkpoint_dir / tag, saved_world_size)
     try:
         path, client_state = engine.load_checkpoint(
-            str(checkpoint_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(checkpoint_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=own_run
         )
     except Exception as err:  # torch.load and ZeRO raise many types on damaged or foreign files
         raise UserError(
@@ -295,7 +297,7 @@ def load(engine: DeepSpeedEngine, checkpoint_dir: Path, tag: str, saved_world_si
         _restore_group_settings(engine.optimizer.optimizer, checkpoint_dir / tag / "zero" / "optimizer_state.pt")
     rank_file = rank_state_file(checkpoint_dir, tag, rank)
     rank_state = None
-    if rank_file.is_file() and saved_world_size == world_size:
+    if own_run and rank_file.is_file() and saved_world_size == world_size:
         rank_state = load_rank_state(rank_file)
     return client_state, rank_state
 
@@ -338,6 +340,12 @@ class ResumePoint:
     checkpoint_dir: Path
     tag: str
     saved_world_size: int | None
+    phase1: bool = False  # a phase-1 tag that phase 2 starts from (phases.py), not this run's own
+    universal_dir: Path | None = None  # where its universal form goes (default: beside it)
+
+    def load_dir(self, world_size: int) -> Path:
+        """The folder DeepSpeed loads the tag to load (`prepare_universal`'s) from."""
+        return (self.universal_dir or self.checkpoint_dir) if self.universal(world_size) else self.checkpoint_dir
 
     @property
     def partitioned(self) -> bool:
@@ -377,7 +385,9 @@ def prepare_universal(point: ResumePoint, world_size: int) -> str:
         return point.tag
 
     def convert() -> None:
-        convert_to_universal(point.checkpoint_dir, point.tag)
+        if point.universal_dir is not None:
+            point.universal_dir.mkdir(parents=True, exist_ok=True)
+        convert_to_universal(point.checkpoint_dir, point.tag, point.universal_dir)
         print(f"truneg: {point.tag} was written by {point.saved_world_size} ranks; loading its universal form on "
               f"{world_size}", flush=True)
 

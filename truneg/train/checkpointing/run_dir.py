@@ -15,12 +15,12 @@ from deepspeed.accelerator import get_accelerator
 
 from truneg.data.corpus import is_hf
 from truneg.errors import UserError
+from truneg.train.checkpointing import phases
 from truneg.train.checkpointing.checkpoint import complete_tags
 from truneg.train.config.ds_config import MONITORS
-from truneg.train.config.run_config import CHECKPOINTS, HC_SOURCES, METRICS, PROFILE, RunConfig
+from truneg.train.config.run_config import CHECKPOINTS, HC_SOURCES, METRICS, PROFILE, RUN_FILE, RunConfig
 from truneg.train.ranks.distributed import on_rank_zero
 
-RUN_FILE = "run.json"
 SHARED_PROBE_TIMEOUT_S = 10.0  # network file systems cache attributes for a few seconds
 
 
@@ -40,6 +40,7 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
         "ds_config": config, **parts,
         **({"init_generator": cfg.init_generator} if cfg.init_generator else {}),  # (absent from older records)
         **({"new_head": True} if cfg.new_head else {}),  # (only when set: earlier runs still resume)
+        **({"reset_optimizer": True} if cfg.reset_optimizer else {}),
     }
 
 
@@ -54,10 +55,11 @@ PATH_FIELDS = {"init_from": (), "init_generator": (), "hc": HC_SOURCES}
 # The commit a hub name resolved to, beside the field that names it: recorded, not compared (a branch that moved
 # since does not make a resume another run, whose weights come from its checkpoint), and kept from the run's start.
 RECORD_ONLY = {"init_revision": "init_from", "init_generator_revision": "init_generator"}
+KEPT_FROM_START = (*RECORD_ONLY, *phases.RECORD)  # (phases.RECORD: the phase-1 tag a phase 2 started from)
 
 
 def _resolved(record: dict) -> dict:
-    out = {k: v for k, v in record.items() if k not in RECORD_ONLY}
+    out = {k: v for k, v in record.items() if k not in KEPT_FROM_START}
     names = {field for revision, field in RECORD_ONLY.items() if record.get(revision)}  # hub names, not paths
     for key, words in PATH_FIELDS.items():
         if isinstance(out.get(key), str) and out[key] not in words and key not in names:
@@ -99,7 +101,7 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
         same, missing = _same_run(previous, identity)
         different = not same
         if same and has_checkpoints and cfg.resume != "none" and not cfg.overwrite:  # resumed: its start's commit
-            identity.update({k: previous[k] for k in RECORD_ONLY if k in previous})
+            identity.update({k: previous[k] for k in KEPT_FROM_START if k in previous})
     else:
         different = has_checkpoints
     fresh_start = cfg.resume == "none" and has_checkpoints
@@ -120,7 +122,7 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
 
     def record() -> None:
         if cfg.overwrite:
-            for name in (CHECKPOINTS, PROFILE, *filter(None, MONITORS.values())):
+            for name in (CHECKPOINTS, PROFILE, phases.UNIVERSAL_DIR, *filter(None, MONITORS.values())):
                 shutil.rmtree(out / name, ignore_errors=True)
             (out / METRICS).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)

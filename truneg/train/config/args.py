@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="BERT: --init-from is an encoder without the MLM head (a BertModel, a "
                              "sentence-transformers model); the head starts as HF initialises it, its decoder tied "
                              "to the loaded embeddings")
+    parser.add_argument("--phase1-checkpoint", metavar="RUN[/checkpoints[/TAG]]",
+                        help="BERT's phase 2 (e.g. seq 512 after 128): start from this phase-1 run's checkpoint (its "
+                             "`latest`, or the tag), carrying weights and optimizer moments, with a fresh LR schedule, "
+                             "data order and this config's optimizer settings (docs/pretraining.md#two-phases)")
+    parser.add_argument("--reset-optimizer", action="store_true",
+                        help="with --phase1-checkpoint: empty the optimizer's moments and step counts after the load")
     parser.add_argument("--resume", default="auto",
                         help="auto (latest checkpoint in --output-dir, if any) | none | DIR")
     parser.add_argument("--overwrite", action="store_true",
@@ -107,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", nargs="?", const=DEFAULT_MODE, choices=COMPILE_MODES,
                         help="torch.compile: layers (the bare flag: each encoder layer, the embeddings and the heads "
                              "in place) | whole (the pre-trainer at once, DeepSpeed's engine.compile)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="keep only each encoder layer's input for the backward and recompute the layer there "
+                             "(torch's non-reentrant checkpoint through HF): less activation memory, a longer step")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser.add_argument("--keep-checkpoints", type=int, default=0,
                         help="keep only the newest N complete checkpoints (0: keep all)")
@@ -207,6 +216,15 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
                                                  and Path(args.eval_synonyms).is_file()):
         problems.append(f"--eval-synonyms {args.eval_synonyms} is not a table file: pass a FILE.npz built by "
                         "`truneg synonyms build`")
+    if args.phase1_checkpoint:
+        clash = [flag for flag, given in (("--init-from", args.init_from), ("--init-generator", args.init_generator),
+                                          ("--new-head", args.new_head),
+                                          (f"--resume {args.resume}", args.resume not in ("auto", "none"))) if given]
+        if clash:
+            problems.append(f"--phase1-checkpoint starts phase 2 from a phase-1 checkpoint, {clash[0]} from another "
+                            f"start; drop {clash[0].split()[0]} (the same command resumes phase 2)")
+    elif args.reset_optimizer:
+        problems.append("--reset-optimizer empties the moments phase 2 carries from --phase1-checkpoint: pass that too")
     if args.overwrite and args.resume not in ("auto", "none"):  # it would start afresh, the checkpoint unread
         problems.append(f"--overwrite starts afresh, --resume {args.resume} continues a checkpoint: to continue it in "
                         "a folder that holds another run, choose an empty --output-dir instead")

@@ -19,7 +19,7 @@ from deepspeed.runtime import config as dsc
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
-from truneg.data.blocks import is_prepared
+from truneg.data.blocks import is_prepared, prepared_seq_len
 from truneg.data.corpus import is_hf, resolve_text_files
 from truneg.data.masking import default_max_predictions
 from truneg.errors import UserError, check_output_path
@@ -90,7 +90,8 @@ def memory_micro_cap(args: argparse.Namespace, path: str | Path, capability, mem
         return None, []
     precision = ds_config.precision_of(ds_config.read_config(path))
     predictions = args.max_predictions or default_max_predictions(args.seq_len)
-    micro, line = memory.micro_for_memory(memory_gib, preset, precision, args.seq_len, predictions, args.sr)
+    micro, line = memory.micro_for_memory(memory_gib, preset, precision, args.seq_len, predictions, args.sr,
+                                          bool(getattr(args, "activation_checkpointing", False)))
     return micro, [line]
 
 
@@ -219,7 +220,11 @@ def _check_output_dir(output_dir: Path, nodes: int) -> list[str]:
     return []
 
 
-def _check_corpus(train_data: list[str]) -> list[str]:
+def _check_corpus(train_data: list[str], seq_len: int) -> list[str]:
+    for spec in train_data:  # a prepared folder is read at the length it was prepared at
+        if is_prepared(spec) and (length := prepared_seq_len(spec)) not in (None, seq_len):
+            return [f"{spec} holds blocks of --seq-len {length}, not {seq_len}; pass --seq-len {length} or prepare "
+                    f"the corpus again with --seq-len {seq_len}"]
     files = [spec for spec in train_data if not is_hf(spec) and not is_prepared(spec)]
     if not files:
         return []
@@ -275,6 +280,6 @@ def path_problems(args: argparse.Namespace, nodes: int = 1) -> list[str]:
         elif spec and (folder := hub.folder_or_cached(spec)) and (problem := foreign_model_problem(folder, flag)):
             problems.append(problem)  # (a hub name not cached yet: from_pretrained_with_head, once downloaded)
     problems += _check_output_dir(args.output_dir, nodes)
-    problems += _check_corpus(args.train_data)
-    problems += [f"--eval-data: {p}" for p in _check_corpus(getattr(args, "eval_data", None) or [])]
+    problems += _check_corpus(args.train_data, args.seq_len)
+    problems += [f"--eval-data: {p}" for p in _check_corpus(getattr(args, "eval_data", None) or [], args.seq_len)]
     return problems

@@ -9,7 +9,8 @@ The estimate (GiB = 2**30 bytes, as torch reports a GPU's memory):
     et al. count 34 bytes in half precision without attention scores, which SDPA's flash kernel never stores;
     measured on one H200, BERT-large HC+SR at micro 64, seq 128, bf16: 17.0 GiB at its peak, 2026-11-30, which
     this reproduces), twice that in fp32; plus the masked-only head's logits (its positions x the vocab x
-    HEAD_BYTES).
+    HEAD_BYTES). With --activation-checkpointing each layer keeps only its input (INPUT_BYTES per token and hidden
+    unit) and one layer at a time is recomputed in full: the inputs of every layer plus the widest layer's activations.
 The micro-batch is the largest power of two whose estimate fits USABLE of the memory less HEADROOM_GIB (CUDA's
 context, the allocator's fragmentation, NCCL's buffers), at most MAX_MICRO.
 """
@@ -25,6 +26,7 @@ from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
 
 STATE_BYTES = {"bf16": 20, "fp16": 16, "fp32": 16}
 ACTIVATION_BYTES = 57  # half precision; fp32 doubles it
+INPUT_BYTES = 2  # a layer's input, in half precision, which activation checkpointing keeps
 HEAD_BYTES = 12  # a logit in half precision, its fp32 copy for the loss and the loss's gradient
 USABLE, HEADROOM_GIB = 0.9, 2.0
 # The issue's goal for >= 80 GB GPUs: BERT-large at 256 x 128 tokens a micro-step (32k rows a GEMM fills an H200);
@@ -48,8 +50,9 @@ def parameter_count(preset: str) -> int:
 
 
 def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int,
-                 sr: str = "none") -> tuple[float, float]:
-    """(weights and optimizer states, activations per sample) in GiB for one GPU."""
+                 sr: str = "none", checkpointing: bool = False) -> tuple[float, float]:
+    """(weights and optimizer states, activations per sample) in GiB for one GPU; `checkpointing`: with
+    --activation-checkpointing."""
     if is_electra(preset):
         encoders = [(s["num_hidden_layers"], s["hidden_size"]) for s in ELECTRA_PRESETS[preset]]
         extra = [encoders[0]] if sr == "sent" else []  # SR_Sent: the discriminator encodes the original too
@@ -60,20 +63,25 @@ def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int
     scale = 2 if precision == "fp32" else 1
     tokens = sum(layers * hidden for layers, hidden in encoders + extra) * seq_len
     head = max_predictions * VOCAB_SIZE
-    per_sample = scale * (ACTIVATION_BYTES * tokens + HEAD_BYTES * head)
+    if checkpointing:  # every layer's input, and one layer's activations during its recompute
+        layers = INPUT_BYTES * tokens + ACTIVATION_BYTES * max(hidden for _, hidden in encoders) * seq_len
+    else:
+        layers = ACTIVATION_BYTES * tokens
+    per_sample = scale * (layers + HEAD_BYTES * head)
     return parameter_count(preset) * STATE_BYTES[precision] / 2**30, per_sample / 2**30
 
 
 def micro_for_memory(memory_gib: float, preset: str, precision: str, seq_len: int, max_predictions: int,
-                     sr: str = "none") -> tuple[int, str]:
+                     sr: str = "none", checkpointing: bool = False) -> tuple[int, str]:
     """The largest power-of-two micro-batch (at most MAX_MICRO, at least 1) whose estimate fits the GPU, and a line
     with the estimate."""
-    static, per_sample = estimate_gib(preset, precision, seq_len, max_predictions, sr)
+    static, per_sample = estimate_gib(preset, precision, seq_len, max_predictions, sr, checkpointing)
     budget = USABLE * memory_gib - HEADROOM_GIB
     micro = MAX_MICRO
     while micro > 1 and static + micro * per_sample > budget:
         micro //= 2
     line = (f"micro-batch at most {micro} for {memory_gib:g} GiB of GPU memory (estimate "
             f"{static + micro * per_sample:.1f} GiB of {budget:.1f} usable: weights and optimizer states {static:.1f} "
-            f"GiB + {per_sample:.3f} GiB a sample at seq {seq_len})")
+            f"GiB + {per_sample:.3f} GiB a sample at seq {seq_len}"
+            f"{', activation checkpointing' if checkpointing else ''})")
     return micro, line

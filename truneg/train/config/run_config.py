@@ -10,8 +10,8 @@ import torch
 
 from truneg.data.masking import default_max_predictions
 
-# The output folder's layout (--output-dir), besides run.json (run_dir.RUN_FILE) and DeepSpeed's monitors'
-# folders (config.MONITORS).
+# The output folder's layout (--output-dir), besides DeepSpeed's monitors' folders (config.MONITORS).
+RUN_FILE = "run.json"  # what makes the folder's run that run (checkpointing.run_dir)
 CHECKPOINTS = "checkpoints"  # DeepSpeed's tags and `latest`
 METRICS = "metrics.jsonl"  # truneg's record of each logged step
 PROFILE = "profile"  # --profile-steps' traces
@@ -52,6 +52,7 @@ class RunConfig:
     max_nonfinite_steps: int
     seed: int
     compile: str | None  # None | layers | whole (truneg.model.compile)
+    activation_checkpointing: bool  # each encoder layer recomputed in the backward (the same gradients, less memory)
     # watching the run: not its identity (run_dir.run_identity), a resume may change them
     peak_tflops: float | None  # MFU's peak; None: the device's, where known (truneg.train.observe.flops)
     profile_steps: tuple[int, int] | None  # --profile-steps A:B (truneg.train.observe.profiling)
@@ -69,6 +70,8 @@ class RunConfig:
     replica_check_steps: int
     resume: str
     overwrite: bool
+    phase1_checkpoint: str | None  # BERT's phase 2: the phase-1 run's checkpoint it starts from
+    reset_optimizer: bool  # with it: the moments emptied after the load
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunConfig:
