@@ -11,7 +11,7 @@ import torch
 from conftest import positions_from_labels
 
 from truneg.data.blocks import ResumableSampler, load_tokenizer
-from truneg.data.masking import MaskedBatches, default_max_predictions, mask_tokens
+from truneg.data.masking import MaskedBatches, capped_rate, default_max_predictions, mask_scheme, mask_tokens
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +159,57 @@ def test_a_stop_signal_to_the_process_group_leaves_the_workers_feeding_the_rank(
                           start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "signals [2, 15]" in proc.stdout, proc.stdout  # and it exits (its workers stopped) within the timeout
+
+
+@pytest.mark.parametrize("family", ["bert", "electra"])
+def test_a_familys_default_by_name_or_by_its_shares_masks_alike(tokenizer, family):
+    rows = np.random.default_rng(3).integers(1000, 30000, (6, 128))
+    by_name, by_shares = masked(tokenizer, rows, family), masked(tokenizer, rows, mask_scheme(family))
+    assert by_name.keys() == by_shares.keys()
+    assert all(torch.equal(by_name[key], by_shares[key]) for key in by_name)
+
+
+def test_the_mask_rate_and_the_split_of_the_selected_positions(tokenizer):
+    rows = np.random.default_rng(4).integers(1000, 30000, (8, 128))
+    rows[:, 0], rows[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
+    slots = default_max_predictions(128, 0.3)
+    assert (slots, default_max_predictions(512, 0.3), default_max_predictions(128)) == (40, 156, 20)
+    for split in ((1.0, 0.0), (0.0, 1.0), (0.0, 0.0)):
+        batch = {k: v.numpy() for k, v in masked(tokenizer, rows, mask_scheme("bert", 0.3, *split),
+                                                 max_predictions=slots).items()}
+        counts = batch["masked_valid"].sum(axis=1)
+        assert (counts == np.rint(0.3 * 126)).all()  # 126 maskable positions a row: 38 masked
+        rows_, cols = np.nonzero(batch["masked_valid"])
+        picked = batch["masked_positions"][rows_, cols]
+        now, was = batch["input_ids"][rows_, picked], batch["original_ids"][rows_, picked]
+        masked_share = (now == tokenizer.mask_token_id).mean()
+        changed = ((now != was) & (now != tokenizer.mask_token_id)).mean()
+        assert masked_share == split[0] and (changed > 0.99 if split[1] else changed == 0), (split, changed)
+        unselected = np.ones_like(batch["input_ids"], dtype=bool)
+        unselected[rows_, picked] = False
+        assert (batch["input_ids"][unselected] == batch["original_ids"][unselected]).all()
+    # --max-predictions below what the rate selects caps it, and says so
+    assert capped_rate(20, 0.15, 128) is None and "caps the mask rate 0.3" in capped_rate(20, 0.3, 128)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--mlm-probability", "0"], "--mlm-probability"), (["--mlm-probability", "1"], "--mlm-probability"),
+    (["--random-replace-prob", "-0.1"], "--random-replace-prob"),
+    (["--model", "bert-tiny", "--mask-replace-prob", "0.95"], "together at most 1"),  # BERT's 0.1 random too
+    (["--model", "electra-tiny", "--mask-replace-prob", "0.95", "--random-replace-prob", "0.1"], "together at most 1"),
+])
+def test_masking_flags_out_of_range_are_one_line(flags, expected):
+    from truneg.errors import UserError
+    from truneg.train.config.args import parse_args
+
+    with pytest.raises(UserError, match=expected):
+        parse_args(flags)
+
+
+def test_the_runs_masking_and_its_default_slots_follow_the_flags():
+    from truneg.train.config.args import parse_args
+    from truneg.train.config.run_config import RunConfig
+
+    cfg = RunConfig.from_args(parse_args(["--model", "electra-tiny", "--mlm-probability", "0.3"]))
+    assert cfg.max_predictions == 40 and cfg.mask_scheme("electra") == (0.3, 0.85, 0.0)
+    assert parse_args(["--model", "electra-tiny", "--mask-replace-prob", "0.95"])  # ELECTRA replaces none at random

@@ -187,6 +187,23 @@ def test_lookup_agrees_with_python_sets_on_random_and_real_pairs(shipped):
     assert "keys" not in lookup.state_dict()
 
 
+def test_hc_can_judge_a_gold_token_with_a_row_that_ends_its_word(shipped):
+    """HC's reach (`judgeable`) against the table and the vocab read as words: `big` has a row, `running` is pieces."""
+    tokens = shipped.tokens
+    ids = {t: tokens.index(t) for t in ("big", "large", "run", "##ning", "the", "[SEP]")}
+    assert shipped.row(ids["big"]).size and not shipped.row(ids["the"]).size
+    gold = torch.tensor([[ids["big"], ids["big"], ids["the"], ids["big"], ids["large"]]])
+    following = torch.tensor([[ids["the"], ids["##ning"], ids["big"], ids["[SEP]"], len(tokens)]])
+    got = SynonymLookup(shipped).judgeable(gold, following)
+    assert got.tolist() == [[True, False, False, True, False]]  # (an id outside the vocab: never)
+    # every token: a row, and no `##` continuing it, exactly
+    lookup = SynonymLookup(shipped)
+    every = torch.arange(shipped.vocab_size)
+    expected = [bool(shipped.row(i).size) for i in range(shipped.vocab_size)]
+    assert lookup.judgeable(every, torch.full_like(every, ids["the"])).tolist() == expected
+    assert not lookup.judgeable(every, torch.full_like(every, ids["##ning"])).any()
+
+
 def test_a_cased_vocabulary_gets_its_capitalised_words_synonyms_in_their_case():
     """wn.synsets lower-cases its query; WordNet's index holds lower-case lemmas. A cased vocabulary's "Big"
     has large's synonyms written as it is: "Large", not "large" (a different token)."""
@@ -288,21 +305,36 @@ def test_cli_show_and_vocab_refusal(tmp_path):
     assert proc.stderr.startswith("truneg: error: synonym table") and "not sorted and unique" in proc.stderr
 
 
-def test_hc_wordnet_on_a_vocabulary_without_whole_words_is_one_line():
-    """A byte-level BPE vocab ("Ġbig") has no token WordNet knows: HC would silently correct nothing."""
+def test_hc_with_a_tokenizer_that_is_not_wordpiece_is_one_line(tmp_path):
+    """A byte-level BPE vocabulary (RoBERTa's kind: `Ġbig` starts a word, `ain` continues one) would get a table of
+    its word-internal pieces (`re` -> `ra`): `--hc` refuses any tokenizer whose backend is not WordPiece, and one
+    with no backend to read, in one line."""
     from types import SimpleNamespace
 
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from truneg.data.blocks import tokenizer_kind
     from truneg.train.build import synonym_table
 
-    class BpeTokenizer:
-        tokens = ["<s>", "</s>", "Ġbig", "Ġlarge", "Ġthe"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["the big house remains large, the rain again"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>", "<mask>"]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(tmp_path / "bpe")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "bpe")
+    assert tokenizer_kind(loaded) == "BPE" and any(t.startswith("Ġ") for t in loaded.get_vocab())
+    for hc in ("wordnet", "embedding"):
+        with pytest.raises(UserError, match=f"--hc {hc}: --tokenizer my-bpe is BPE, and truneg's synonym tables"):
+            synonym_table(SimpleNamespace(hc=hc, tokenizer="my-bpe", hc_embeddings="x"), loaded)
+    assert synonym_table(SimpleNamespace(hc="none", tokenizer="my-bpe"), loaded) is None
 
+    class Unreadable:  # a slow tokenizer: no backend to read its kind from
         def __len__(self):
-            return len(self.tokens)
+            return 3
 
         def convert_ids_to_tokens(self, ids):
-            return [self.tokens[i] for i in ids]
+            return ["a", "b", "c"]
 
-    cfg = SimpleNamespace(hc="wordnet", tokenizer="roberta-base")
-    with pytest.raises(UserError, match="--hc wordnet: no word of the vocab of --tokenizer roberta-base has a WordNet"):
-        synonym_table(cfg, BpeTokenizer())
+    with pytest.raises(UserError, match="is of no kind truneg can read"):
+        synonym_table(SimpleNamespace(hc="wordnet", tokenizer="slow"), Unreadable())

@@ -293,3 +293,18 @@ def test_the_profilers_and_mfus_flags_are_not_the_runs_identity_and_overwrite_cl
     overwrite = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path), "--overwrite"]))
     claim_output_dir(overwrite, identity(overwrite, "t"), rank=0)
     assert not (tmp_path / "profile").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_the_masking_is_the_runs_and_a_record_without_it_still_resumes(tmp_path, capsys):
+    cfg = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path)]))
+    claim_output_dir(cfg, identity(cfg, "t"), rank=0)
+    record = json.loads((tmp_path / RUN_FILE).read_text())
+    assert record["masking"] == [0.15, 0.8, 0.1] and record["max_predictions"] == 20
+    saved(tmp_path / "checkpoints")
+    for flags in (["--mlm-probability", "0.3"], ["--mask-replace-prob", "0.9", "--random-replace-prob", "0"]):
+        other = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path), *flags]))
+        with pytest.raises(UserError, match="holds another run's checkpoints"):
+            claim_output_dir(other, identity(other, "t"), rank=0)
+    (tmp_path / RUN_FILE).write_text(json.dumps({k: v for k, v in record.items() if k != "masking"}))
+    claim_output_dir(cfg, identity(cfg, "t"), rank=0)  # written before the masking was recorded: the defaults
+    assert "predates the fields masking" in capsys.readouterr().out

@@ -23,7 +23,7 @@ from truneg.cluster.hostfile import (
     launched_resources,
     launcher_options,
 )
-from truneg.data.masking import default_max_predictions
+from truneg.data.masking import DEFAULT_RATE, default_max_predictions
 from truneg.errors import UserError, out_of_range
 from truneg.train.config import ds_config, memory
 from truneg.train.config.args import argument_problems
@@ -159,7 +159,8 @@ def run(argv: list[str] | None = None) -> int:
         print(line)
     if preset and capability is not None:  # the estimate at the micro-batch chosen, whatever chose it
         precision, micro = ds_config.precision_of(config), config["train_micro_batch_size_per_gpu"]
-        predictions = args.max_predictions or default_max_predictions(args.seq_len)
+        rate = args.mlm_probability or DEFAULT_RATE
+        predictions = args.max_predictions or default_max_predictions(args.seq_len, rate)
         checkpointing = bool(args.activation_checkpointing)
         static, per_sample = memory.estimate_gib(preset, precision, args.seq_len, predictions, args.sr, checkpointing)
         print(f"GPU memory estimate: {static + micro * per_sample:.1f} GiB at micro-batch {micro} (weights and "

@@ -47,6 +47,17 @@ def load_tokenizer(name_or_dir: str | Path = DEFAULT_TOKENIZER) -> PreTrainedTok
         raise UserError(f"cannot load tokenizer {name_or_dir} ({err}); pass a folder with vocab.txt") from None
 
 
+# The tokenizer kinds, by their backend's model: WordPiece (BERT's `##` pieces) is the one truneg's synonym tables
+# read as words; byte-level BPE (`Ġ`) and SentencePiece (`▁`) mark word starts, not continuations.
+TOKENIZER_KINDS = {"WordPiece": "WordPiece", "BPE": "BPE", "Unigram": "SentencePiece (Unigram)"}
+
+
+def tokenizer_kind(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The tokenizer's kind (TOKENIZER_KINDS' values), read from its fast backend; None where it has none."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else TOKENIZER_KINDS.get(type(backend.model).__name__, type(backend.model).__name__)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Prepared folders
 # ---------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Dynamic masking with static shapes: an exact number of masked positions per sequence.
 
 As BERT's `create_pretraining_data` and the official ELECTRA, each sequence gets
-`min(max_predictions, max(1, round(0.15 x maskable)))` masked positions, and the batch carries them as
-`masked_positions` [B, P] (padded with 0) plus `masked_valid` [B, P]. The model gathers those rows with
+`min(max_predictions, max(1, round(rate x maskable)))` masked positions (rate 0.15 by default), and the batch
+carries them as `masked_positions` [B, P] (padded with 0) plus `masked_valid` [B, P]. The model gathers those rows with
 `torch.gather`: every shape is static, no boolean indexing, so nothing in the step waits on the host
 and `torch.compile(fullgraph=True)` traces the whole step.
 
@@ -21,17 +21,37 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-MASK_SCHEMES = {
-    # name: (selected share, of those -> [MASK], -> random token); the rest stay unchanged
+MaskScheme = tuple[float, float, float]  # (selected share, of those -> [MASK], -> random token); the rest unchanged
+MASK_SCHEMES: dict[str, MaskScheme] = {  # each family's default
     "bert": (0.15, 0.8, 0.1),
     "electra": (0.15, 0.85, 0.0),
 }
+DEFAULT_RATE = 0.15  # both families'; the held-out evaluation's fixed masks always take it
 
 
-def default_max_predictions(seq_len: int) -> int:
-    """15 % of the sequence rounded up to a multiple of 4: 20 at seq 128 and 80 at 512, as BERT's recipes (at most
-    the sequence: the slots are positions of it)."""
-    return min(seq_len, max(4, -(-int(np.ceil(0.15 * seq_len)) // 4) * 4))
+def mask_scheme(family: str, rate: float | None = None, mask: float | None = None,
+                random: float | None = None) -> MaskScheme:
+    """The family's scheme with the given shares in place of its defaults (--mlm-probability, --mask-replace-prob,
+    --random-replace-prob, named as HF's DataCollatorForLanguageModeling names them)."""
+    default = MASK_SCHEMES[family]
+    return tuple(d if v is None else float(v) for v, d in zip((rate, mask, random), default))  # type: ignore[return-value]
+
+
+def default_max_predictions(seq_len: int, rate: float = DEFAULT_RATE) -> int:
+    """`rate` of the sequence rounded up to a multiple of 4: 20 at seq 128 and 80 at 512 at BERT's 15 %, as BERT's
+    recipes (at most the sequence: the slots are positions of it)."""
+    return min(seq_len, max(4, -(-int(np.ceil(rate * seq_len)) // 4) * 4))
+
+
+def capped_rate(max_predictions: int, rate: float, seq_len: int) -> str | None:
+    """A line when --max-predictions holds fewer slots than `rate` selects of a full block ([CLS] and [SEP] are not
+    maskable): the masked share is then lower than the rate; None when it does not cap it."""
+    wanted = int(np.rint(rate * (seq_len - 2)))
+    if max_predictions >= wanted:
+        return None
+    share = max_predictions / (seq_len - 2)
+    return (f"--max-predictions {max_predictions} caps the mask rate {rate:g} at --seq-len {seq_len}: {wanted} "
+            f"positions a full block would select, {max_predictions} are masked ({share:.1%})")
 
 
 def mask_tokens(
@@ -39,15 +59,16 @@ def mask_tokens(
     special_ids: Sequence[int],
     mask_id: int,
     vocab_size: int,
-    scheme: str,
+    scheme: str | MaskScheme,
     seed: int,
     epoch: int,
     indices: np.ndarray,
     max_predictions: int,
 ) -> dict[str, torch.Tensor]:
-    """Mask a [B, L] batch of token ids. Returns int64 `input_ids` (masked), `original_ids`, `masked_positions`
-    [B, P] and bool `masked_valid` [B, P], with P = max_predictions. Positions are sorted within a row."""
-    select_p, mask_p, random_p = MASK_SCHEMES[scheme]
+    """Mask a [B, L] batch of token ids with `scheme` (a family's default by name, or `mask_scheme`'s shares). Returns
+    int64 `input_ids` (masked), `original_ids`, `masked_positions` [B, P] and bool `masked_valid` [B, P], with
+    P = max_predictions. Positions are sorted within a row."""
+    select_p, mask_p, random_p = MASK_SCHEMES[scheme] if isinstance(scheme, str) else scheme
     original = np.array(input_ids, dtype=np.int64)
     batch, length = original.shape
     order_draw = np.empty((batch, length))
@@ -97,7 +118,7 @@ class _MicroBatchPlan(torch.utils.data.Sampler):
 class _MaskedMicroBatches(torch.utils.data.Dataset):
     """Reads one micro-batch of blocks and masks it: run in the DataLoader's workers."""
 
-    def __init__(self, blocks, special_ids, mask_id: int, vocab_size: int, scheme: str, seed: int,
+    def __init__(self, blocks, special_ids, mask_id: int, vocab_size: int, scheme: str | MaskScheme, seed: int,
                  max_predictions: int):
         self.blocks, self.special_ids, self.mask_id, self.vocab_size = blocks, special_ids, mask_id, vocab_size
         self.scheme, self.seed, self.max_predictions = scheme, seed, max_predictions
@@ -156,8 +177,8 @@ class MaskedBatches:
     copied from pinned memory: a copy from pageable memory would make the host wait for the GPU's queue to
     drain first."""
 
-    def __init__(self, blocks, sampler, tokenizer, scheme: str, seed: int, max_predictions: int, workers: int = 0,
-                 device: torch.device | None = None):
+    def __init__(self, blocks, sampler, tokenizer, scheme: str | MaskScheme, seed: int, max_predictions: int,
+                 workers: int = 0, device: torch.device | None = None):
         self.device = device if device is not None and device.type != "cpu" else None
         pin_memory = self.device is not None and self.device.type == "cuda"
         dataset = _MaskedMicroBatches(blocks, sorted(tokenizer.all_special_ids), tokenizer.mask_token_id,

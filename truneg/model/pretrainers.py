@@ -59,6 +59,7 @@ from truneg.synonyms.table import SynonymLookup
 @dataclass
 class ObjectiveConfig:
     hc_lookup: SynonymLookup | None = None
+    reach_lookup: SynonymLookup | None = None  # the table HC's reach is counted with (default: hc_lookup's)
     hc_prediction: str = "default"  # argmax | sample | default (BERT: argmax, ELECTRA: sample)
     sr: str = "none"  # none | word | sent
     sr_weight: float = 1.0
@@ -99,10 +100,20 @@ class _Pretrainer(nn.Module):
 
     def set_objective(self, objective: ObjectiveConfig) -> None:
         self.objective, self.hc_lookup = objective, objective.hc_lookup
+        self.reach_lookup = objective.reach_lookup or objective.hc_lookup
         use_default = objective.hc_prediction == "default"
         self.prediction = self.default_prediction if use_default else objective.hc_prediction
         # SR reads the embedding matrix outside the embedding's own forward; ZeRO-3 must gather it.
         deepspeed.zero.register_external_parameter(self, self.word_embeddings.weight)
+
+    def reach_counts(self, gold: torch.Tensor, original_ids: torch.Tensor, positions: torch.Tensor,
+                     valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HC's reach over the masked slots: how many it can judge at all (`SynonymLookup.judgeable`), by the reach
+        table; nothing without one."""
+        if self.reach_lookup is None:
+            return {}
+        following = original_ids.gather(1, (positions + 1).clamp(max=original_ids.shape[1] - 1))
+        return {"hc_judgeable": (self.reach_lookup.judgeable(gold, following) & valid).sum().float()}
 
     def add_soft_regularization(self, loss: torch.Tensor, stats: dict, gold: torch.Tensor, pred: torch.Tensor,
                                 valid: torch.Tensor, sentence_pair: Callable[[], tuple],
@@ -155,7 +166,8 @@ class BertPretrainer(_Pretrainer):
         pred = logits.detach().argmax(-1) if self.prediction == "argmax" else gumbel_max_sample(logits)
         corrected = _correct(gold, pred, masked_valid, self.hc_lookup)
         loss = mlm_loss(logits, gold, masked_valid & ~corrected, masked_denominator)
-        stats = {"mlm_loss": loss.detach(), **false_negative_counts(gold, pred, corrected, masked_valid)}
+        stats = {"mlm_loss": loss.detach(), **false_negative_counts(gold, pred, corrected, masked_valid),
+                 **self.reach_counts(gold, original_ids, masked_positions, masked_valid)}
 
         def sentence_pair():
             # Section 5: "we fill the masked sentence s with the predicted tokens to have the predicted sentence
@@ -230,6 +242,7 @@ class ElectraPretrainer(_Pretrainer):
             "mlm_argmax_correct": ((argmax == gold) & masked_valid).sum().float(),
             "mlm_sampled_correct": ((sample == gold) & masked_valid).sum().float(),
             **false_negative_counts(gold, pred, corrected, masked_valid),
+            **self.reach_counts(gold, original_ids, masked_positions, masked_valid),
         }
 
         def sentence_pair():

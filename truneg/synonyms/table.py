@@ -24,6 +24,7 @@ from torch import nn
 from truneg.errors import UserError
 
 WHOLE_WORD = re.compile(r"[a-z]{2,}", re.IGNORECASE)
+CONTINUATION = "##"  # WordPiece's mark of a piece that continues the word before it
 SHIPPED_WORDNET_TABLE = Path(__file__).resolve().parents[1] / "assets" / "synonyms" / "wordnet_bert-base-uncased.npz"
 
 
@@ -218,8 +219,20 @@ class SynonymLookup(nn.Module):
     def __init__(self, table: SynonymTable):
         super().__init__()
         self.vocab_size = table.vocab_size
-        # Non-persistent: the table is data, not weights; int64 survives .half()/.bfloat16().
+        # Non-persistent: the table is data, not weights; int64 and bool survive .half()/.bfloat16().
         self.register_buffer("keys", torch.from_numpy(table.keys()), persistent=False)
+        # HC's reach: the tokens with a row, and WordPiece's word-continuing pieces (`##...`)
+        self.register_buffer("has_row", torch.from_numpy(np.diff(table.indptr) > 0), persistent=False)
+        continues = np.array([token.startswith(CONTINUATION) for token in table.tokens], dtype=bool)
+        self.register_buffer("continues", torch.from_numpy(continues), persistent=False)
+
+    def judgeable(self, gold: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        """Bool tensor shaped like `gold`: True where HC can judge a prediction of `gold` at all, i.e. `gold` has a
+        row and the token after it (`following`, the original's) does not continue its word (a masked `run` of
+        `running` is no word of its own: its synonyms would not be the word's)."""
+        in_vocab = (gold >= 0) & (gold < self.vocab_size) & (following >= 0) & (following < self.vocab_size)
+        gold, following = gold.clamp(0, self.vocab_size - 1), following.clamp(0, self.vocab_size - 1)
+        return self.has_row[gold] & ~self.continues[following] & in_vocab
 
     def is_synonym(self, gold: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
         """Bool tensor shaped like `gold`: True where `pred` is in the synonym row of `gold`.

@@ -11,7 +11,7 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from truneg.data.blocks import ensure_prepared, load_tokenizer, open_prepared
+from truneg.data.blocks import ensure_prepared, load_tokenizer, open_prepared, tokenizer_kind
 from truneg.errors import UserError
 from truneg.model import hub
 from truneg.model.compile import compile_layers
@@ -132,6 +132,10 @@ def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Synonym
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if cfg.hc == "none":
         return None
+    if (kind := tokenizer_kind(tokenizer)) != "WordPiece":
+        raise UserError(f"--hc {cfg.hc}: --tokenizer {cfg.tokenizer} is {kind or 'of no kind truneg can read'}, and "
+                        "truneg's synonym tables read WordPiece vocabularies (BERT's and ELECTRA's) only; train "
+                        "without --hc, or with a WordPiece tokenizer")
     if cfg.hc == "wordnet":
         table = wordnet_for_vocab(tokens)
         if table.num_entries == 0:
@@ -193,11 +197,14 @@ def init_record(init: dict[str, hub.Checkpoint]) -> dict:
 
 
 def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int,
-                init: dict[str, hub.Checkpoint] | None = None) -> torch.nn.Module:
-    """The model of the run; `init` is locate_init's (the folders of a run started from checkpoints)."""
+                init: dict[str, hub.Checkpoint] | None = None, reach_table: SynonymTable | None = None
+                ) -> torch.nn.Module:
+    """The model of the run; `init` is locate_init's (the folders of a run started from checkpoints); `reach_table`
+    the table HC's reach is counted with where the run has no HC table."""
     lookup = None if table is None else SynonymLookup(table)
-    objective = ObjectiveConfig(hc_lookup=lookup, hc_prediction=cfg.hc_prediction, sr=cfg.sr, sr_weight=cfg.sr_weight,
-                                sr_sent_target=cfg.sr_sent_target)
+    reach = lookup if lookup is not None or reach_table is None else SynonymLookup(reach_table)
+    objective = ObjectiveConfig(hc_lookup=lookup, reach_lookup=reach, hc_prediction=cfg.hc_prediction, sr=cfg.sr,
+                                sr_weight=cfg.sr_weight, sr_sent_target=cfg.sr_sent_target)
     distributed.seed(cfg.seed)  # identical initial weights on every rank
     init = init or {}
     folders = {field: init[field].path if field in init else getattr(cfg, field) for field in INIT_FLAGS}

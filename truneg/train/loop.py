@@ -108,7 +108,7 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
     # What a killed run wrote after its last checkpoint is not history. A resume keeps the evaluation of its
     # checkpoint's step (it ran before that save).
     metrics.drop_after(engine.global_steps, int(engine.global_samples))
-    batches = TimedBatches(MaskedBatches(blocks, sampler, tokenizer, engine.module.scheme, cfg.seed,
+    batches = TimedBatches(MaskedBatches(blocks, sampler, tokenizer, cfg.mask_scheme(engine.module.scheme), cfg.seed,
                                          cfg.max_predictions, cfg.data_workers, device=engine.device))
     metrics.efficiency = Efficiency.for_run(engine, batches, cfg.seq_len, cfg.max_predictions, cfg.peak_tflops, rank,
                                             world_size)

@@ -38,6 +38,7 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
         "seed": cfg.seed, "init_from": cfg.init_from, "hc": cfg.hc, "hc_prediction": cfg.hc_prediction,
         "sr": cfg.sr, "sr_weight": cfg.sr_weight, "sr_sent_target": cfg.sr_sent_target, "dropout": cfg.dropout,
         "ds_config": config, **parts,
+        **({"masking": list(cfg.mask_scheme(parts["architecture"]["family"]))} if "architecture" in parts else {}),
         **({"init_generator": cfg.init_generator} if cfg.init_generator else {}),  # (absent from older records)
         **({"new_head": True} if cfg.new_head else {}),  # (only when set: earlier runs still resume)
         **({"reset_optimizer": True} if cfg.reset_optimizer else {}),
@@ -46,7 +47,7 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
 
 # Fields added after runs were already recorded: a record without them is an older truneg's, resumed with a
 # warning rather than refused.
-LATER_FIELDS = ("max_predictions", "sr_sent_target", "architecture", "synonym_table", "data")
+LATER_FIELDS = ("max_predictions", "sr_sent_target", "architecture", "synonym_table", "data", "masking")
 
 
 # Fields that may hold a path, relative or not, as the command line gave it: the launch scripts make them

@@ -9,6 +9,7 @@ import deepspeed
 from deepspeed.constants import default_pg_timeout
 
 from truneg.data.blocks import DEFAULT_TOKENIZER, DEMO_CORPUS
+from truneg.data.masking import mask_scheme
 from truneg.errors import UserError, check_output_path, out_of_range
 from truneg.model.compile import COMPILE_MODES, DEFAULT_MODE
 from truneg.model.hub import folder_or_cached
@@ -99,9 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sr-sent-target", choices=["masked", "original"],
                         help="H_s of --sr sent for BERT: the masked sentence (the MLM's own pass, default) or the "
                              "original (ELECTRA's discriminator never sees [MASK]: it always takes the original)")
+    parser.add_argument("--mlm-probability", type=float,
+                        help="the share of each sequence's maskable positions selected (default 0.15)")
+    parser.add_argument("--mask-replace-prob", type=float,
+                        help="the share of the selected positions replaced by [MASK] (default: BERT 0.8, ELECTRA 0.85)")
+    parser.add_argument("--random-replace-prob", type=float,
+                        help="the share of the selected positions replaced by a random token (default: BERT 0.1, "
+                             "ELECTRA 0); the rest stay unchanged")
     parser.add_argument("--max-predictions", type=int,
-                        help="masked positions per sequence, at most (default: 15%% of --seq-len rounded up to 4: "
-                             "20 at 128, 80 at 512)")
+                        help="masked positions per sequence, at most (default: --mlm-probability of --seq-len rounded "
+                             "up to 4: 20 at 128, 80 at 512 at 0.15)")
     parser.add_argument("--max-nonfinite-steps", type=int, default=10,
                         help="stop after this many optimizer steps in a row skipped for non-finite losses (any "
                              "precision)")
@@ -161,6 +169,25 @@ def _is_electra_run(args: argparse.Namespace) -> bool:
     return (args.model or DEFAULT_PRESET) in ELECTRA_PRESETS
 
 
+def masking_problems(args: argparse.Namespace) -> list[str]:
+    """The mask rate in (0, 1); the [MASK] and random shares of the selected positions, each in [0, 1], at most 1
+    together (with the family's default for the one not given)."""
+    problems = []
+    rate, mask, random = (getattr(args, name, None) for name in ("mlm_probability", "mask_replace_prob",
+                                                                   "random_replace_prob"))
+    if rate is not None and (problem := out_of_range(rate, 0, 1, low_open=True, high_open=True)):
+        problems.append(f"--mlm-probability {problem}")
+    for flag, value in (("--mask-replace-prob", mask), ("--random-replace-prob", random)):
+        if value is not None and (problem := out_of_range(value, 0, 1)):
+            problems.append(f"{flag} {problem}")
+    if not problems and (mask is not None or random is not None):
+        _, mask, random = mask_scheme("electra" if _is_electra_run(args) else "bert", None, mask, random)
+        if mask + random > 1 + 1e-12:
+            problems.append(f"--mask-replace-prob {mask:g} and --random-replace-prob {random:g} share the selected "
+                            "positions: together at most 1 (the rest stay unchanged)")
+    return problems
+
+
 def argument_problems(args: argparse.Namespace) -> list[str]:
     """One line per argument out of range (shared with `truneg preflight`, which lists them all)."""
     # (--micro-batch-size and --gradient-accumulation-steps are checked with the config's own values, in
@@ -177,6 +204,7 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
             check_preset(args.model)
         except UserError as err:
             problems.append(str(err))
+    problems += masking_problems(args)
     if args.max_predictions is not None and not 1 <= args.max_predictions <= args.seq_len:
         problems.append(f"--max-predictions {args.max_predictions} must be between 1 and --seq-len {args.seq_len}")
     if args.seq_len > MAX_POSITIONS:

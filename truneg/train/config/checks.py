@@ -21,7 +21,7 @@ from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
 from truneg.data.blocks import is_prepared, prepared_seq_len
 from truneg.data.corpus import is_hf, resolve_text_files
-from truneg.data.masking import default_max_predictions
+from truneg.data.masking import DEFAULT_RATE, capped_rate, default_max_predictions
 from truneg.errors import UserError, check_output_path
 from truneg.model import hub
 from truneg.model.presets import DEFAULT_PRESET, foreign_model_problem, matching_preset
@@ -72,6 +72,9 @@ def resolve_config(args: argparse.Namespace, world_size: int, capability=_LOCAL,
         kind = "continued" if args.init_from else "from scratch"
         choice = f"config: {path} (default for {preset or 'this checkpoint'} {kind} on {where})"
     micro_cap, by_memory = memory_micro_cap(args, path, capability, memory_gib)
+    rate = getattr(args, "mlm_probability", None) or DEFAULT_RATE
+    capped = args.max_predictions and capped_rate(args.max_predictions, rate, args.seq_len)
+    by_memory += [f"warning: {capped}"] if capped else []
     config, choices = ds_config.resolve(
         path, world_size, args.max_steps, Path(args.output_dir),
         micro_batch=args.micro_batch_size, grad_accum=args.gradient_accumulation_steps, lr=args.lr,
@@ -89,7 +92,8 @@ def memory_micro_cap(args: argparse.Namespace, path: str | Path, capability, mem
     if capability is None or memory_gib is None or preset is None or not shipped or not Path(path).is_file():
         return None, []
     precision = ds_config.precision_of(ds_config.read_config(path))
-    predictions = args.max_predictions or default_max_predictions(args.seq_len)
+    predictions = args.max_predictions or default_max_predictions(args.seq_len, getattr(args, "mlm_probability", None)
+                                                                  or DEFAULT_RATE)
     micro, line = memory.micro_for_memory(memory_gib, preset, precision, args.seq_len, predictions, args.sr,
                                           bool(getattr(args, "activation_checkpointing", False)))
     return micro, [line]
@@ -220,9 +224,9 @@ def _check_output_dir(output_dir: Path, nodes: int) -> list[str]:
     return []
 
 
-def _check_corpus(train_data: list[str], seq_len: int) -> list[str]:
+def _check_corpus(train_data: list[str], seq_len: int | None) -> list[str]:
     for spec in train_data:  # a prepared folder is read at the length it was prepared at
-        if is_prepared(spec) and (length := prepared_seq_len(spec)) not in (None, seq_len):
+        if seq_len is not None and is_prepared(spec) and (length := prepared_seq_len(spec)) not in (None, seq_len):
             return [f"{spec} holds blocks of --seq-len {length}, not {seq_len}; pass --seq-len {length} or prepare "
                     f"the corpus again with --seq-len {seq_len}"]
     files = [spec for spec in train_data if not is_hf(spec) and not is_prepared(spec)]
@@ -280,6 +284,7 @@ def path_problems(args: argparse.Namespace, nodes: int = 1) -> list[str]:
         elif spec and (folder := hub.folder_or_cached(spec)) and (problem := foreign_model_problem(folder, flag)):
             problems.append(problem)  # (a hub name not cached yet: from_pretrained_with_head, once downloaded)
     problems += _check_output_dir(args.output_dir, nodes)
-    problems += _check_corpus(args.train_data, args.seq_len)
-    problems += [f"--eval-data: {p}" for p in _check_corpus(getattr(args, "eval_data", None) or [], args.seq_len)]
+    seq_len = getattr(args, "seq_len", None)
+    problems += _check_corpus(args.train_data, seq_len)
+    problems += [f"--eval-data: {p}" for p in _check_corpus(getattr(args, "eval_data", None) or [], seq_len)]
     return problems

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from truneg.data.masking import default_max_predictions
+from truneg.data.masking import DEFAULT_RATE, MaskScheme, default_max_predictions, mask_scheme
 
 # The output folder's layout (--output-dir), besides DeepSpeed's monitors' folders (config.MONITORS).
 RUN_FILE = "run.json"  # what makes the folder's run that run (checkpointing.run_dir)
@@ -40,6 +40,9 @@ class RunConfig:
     tokenizer: str
     seq_len: int
     max_predictions: int
+    mlm_probability: float | None  # None: the family's default (masking.MASK_SCHEMES), as the two below
+    mask_replace_prob: float | None
+    random_replace_prob: float | None
     cache_dir: Path | None
     num_proc: int | None
     data_workers: int
@@ -78,7 +81,8 @@ class RunConfig:
         values = {f.name: getattr(args, f.name, None) for f in fields(cls)}
         values["train_data"] = list(args.train_data)
         values["output_dir"] = Path(args.output_dir)
-        values["max_predictions"] = args.max_predictions or default_max_predictions(args.seq_len)
+        rate = getattr(args, "mlm_probability", None) or DEFAULT_RATE
+        values["max_predictions"] = args.max_predictions or default_max_predictions(args.seq_len, rate)
         values["sr_sent_target"] = args.sr_sent_target or "masked"  # ELECTRA takes the original whatever it says
         values["eval_data"] = list(args.eval_data) if getattr(args, "eval_data", None) else None
         values["eval_max_sequences"] = getattr(args, "eval_max_sequences", None) or EVAL_MAX_SEQUENCES
@@ -89,6 +93,10 @@ class RunConfig:
         if args.data_workers is None:  # background masking where a GPU waits for it; on CPU ranks it takes a core
             values["data_workers"] = 2 if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else 0
         return cls(**values)
+
+    def mask_scheme(self, family: str) -> MaskScheme:
+        """The masking of this run's training batches for the model's family ("bert" or "electra")."""
+        return mask_scheme(family, self.mlm_probability, self.mask_replace_prob, self.random_replace_prob)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -1,0 +1,60 @@
+"""HC's reach: the share of masked positions HC can judge at all (the gold token has a row in the table and the next
+original token does not continue its word), as training's `hc_reach` counts it, on a corpus masked as training masks
+it (seed 42, epoch 0), against the share of masked positions that are whole-word tokens at all, side by side.
+
+    python bench/hc_reach.py [--data ../shared/data/wikitext-2-raw/wiki.valid.raw] [--seq-len 128]
+        [--mlm-probability 0.15] [--table FILE.npz]
+RESULT hc_reach=<share> whole_words=<share> masked=<positions>
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from truneg.data.blocks import load_tokenizer, open_training_blocks  # noqa: E402
+from truneg.data.masking import default_max_predictions, mask_scheme, mask_tokens  # noqa: E402
+from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable, eligible_token_ids  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.raw"))
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--mlm-probability", type=float, default=0.15)
+    parser.add_argument("--table", default=str(SHIPPED_WORDNET_TABLE), help="default: the shipped WordNet table")
+    args = parser.parse_args()
+    tokenizer = load_tokenizer()
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    lookup = SynonymLookup(SynonymTable.load(args.table, expect_tokens=tokens))
+    whole = torch.zeros(len(tokens), dtype=torch.bool)
+    whole[torch.from_numpy(eligible_token_ids(tokens))] = True
+    slots = default_max_predictions(args.seq_len, args.mlm_probability)
+    with tempfile.TemporaryDirectory() as cache:
+        blocks, _ = open_training_blocks([args.data], tokenizer, args.seq_len, cache_dir=Path(cache))
+        judged = whole_words = masked = 0
+        for start in range(0, len(blocks), 256):
+            indices = np.arange(start, min(start + 256, len(blocks)))
+            batch = mask_tokens(blocks[indices], tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
+                                mask_scheme("bert", args.mlm_probability), 42, 0, indices, slots)
+            original, positions, valid = batch["original_ids"], batch["masked_positions"], batch["masked_valid"]
+            gold = original.gather(1, positions)
+            following = original.gather(1, (positions + 1).clamp(max=original.shape[1] - 1))
+            judged += int((lookup.judgeable(gold, following) & valid).sum())
+            whole_words += int((whole[gold] & valid).sum())
+            masked += int(valid.sum())
+    print(f"{args.data}: {len(blocks)} blocks of {args.seq_len} tokens, {masked} masked positions at "
+          f"{args.mlm_probability:g} (token masking, bert-base-uncased WordPiece); whole-word tokens "
+          f"{whole_words / masked:.1%}, judgeable by {Path(args.table).name} {judged / masked:.1%}")
+    print(f"RESULT hc_reach={judged / masked:.4f} whole_words={whole_words / masked:.4f} masked={masked}")
+
+
+if __name__ == "__main__":
+    main()
