@@ -3,7 +3,7 @@ original token does not continue its word), as training's `hc_reach` counts it, 
 it (seed 42, epoch 0), against the share of masked positions that are whole-word tokens at all, side by side.
 
     python bench/hc_reach.py [--data ../shared/data/wikitext-2-raw/wiki.valid.raw] [--seq-len 128]
-        [--mlm-probability 0.15] [--table FILE.npz]
+        [--mlm-probability 0.15] [--whole-word-masking] [--table FILE.npz]
 RESULT hc_reach=<share> whole_words=<share> masked=<positions>
 """
 from __future__ import annotations
@@ -21,7 +21,13 @@ import torch  # noqa: E402
 
 from truneg.data.blocks import load_tokenizer, open_training_blocks  # noqa: E402
 from truneg.data.masking import default_max_predictions, mask_scheme, mask_tokens  # noqa: E402
-from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable, eligible_token_ids  # noqa: E402
+from truneg.synonyms.table import (  # noqa: E402
+    SHIPPED_WORDNET_TABLE,
+    SynonymLookup,
+    SynonymTable,
+    continuing_pieces,
+    eligible_token_ids,
+)
 
 
 def main() -> None:
@@ -29,6 +35,7 @@ def main() -> None:
     parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.raw"))
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--mlm-probability", type=float, default=0.15)
+    parser.add_argument("--whole-word-masking", action="store_true")
     parser.add_argument("--table", default=str(SHIPPED_WORDNET_TABLE), help="default: the shipped WordNet table")
     args = parser.parse_args()
     tokenizer = load_tokenizer()
@@ -43,7 +50,8 @@ def main() -> None:
         for start in range(0, len(blocks), 256):
             indices = np.arange(start, min(start + 256, len(blocks)))
             batch = mask_tokens(blocks[indices], tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
-                                mask_scheme("bert", args.mlm_probability), 42, 0, indices, slots)
+                                mask_scheme("bert", args.mlm_probability), 42, 0, indices, slots,
+                                continuing_pieces(tokens) if args.whole_word_masking else None)
             original, positions, valid = batch["original_ids"], batch["masked_positions"], batch["masked_valid"]
             gold = original.gather(1, positions)
             following = original.gather(1, (positions + 1).clamp(max=original.shape[1] - 1))
@@ -51,7 +59,8 @@ def main() -> None:
             whole_words += int((whole[gold] & valid).sum())
             masked += int(valid.sum())
     print(f"{args.data}: {len(blocks)} blocks of {args.seq_len} tokens, {masked} masked positions at "
-          f"{args.mlm_probability:g} (token masking, bert-base-uncased WordPiece); whole-word tokens "
+          f"{args.mlm_probability:g} ({'whole-word' if args.whole_word_masking else 'token'} masking, "
+          "bert-base-uncased WordPiece); whole-word tokens "
           f"{whole_words / masked:.1%}, judgeable by {Path(args.table).name} {judged / masked:.1%}")
     print(f"RESULT hc_reach={judged / masked:.4f} whole_words={whole_words / masked:.4f} masked={masked}")
 

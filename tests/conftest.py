@@ -487,3 +487,18 @@ def sentence_transformers_folder(folder, seed=0):
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
     return encoder
 
+
+
+def bpe_tokenizer(folder: Path):
+    """A tiny byte-level BPE tokenizer (RoBERTa's kind: `Ġ` starts a word), trained with `tokenizers`, saved in
+    `folder` and loaded back through AutoTokenizer, as a user's would be."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["the big house remains large, the rain again"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>", "<mask>"]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            mask_token="<mask>").save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)

@@ -213,3 +213,81 @@ def test_the_runs_masking_and_its_default_slots_follow_the_flags():
     cfg = RunConfig.from_args(parse_args(["--model", "electra-tiny", "--mlm-probability", "0.3"]))
     assert cfg.max_predictions == 40 and cfg.mask_scheme("electra") == (0.3, 0.85, 0.0)
     assert parse_args(["--model", "electra-tiny", "--mask-replace-prob", "0.95"])  # ELECTRA replaces none at random
+
+
+@pytest.fixture(scope="module")
+def novel_rows(tokenizer):
+    """The shipped corpus (Austen) in 128-token blocks, framed as truneg frames them."""
+    from truneg.data.blocks import DEMO_CORPUS
+
+    text = (DEMO_CORPUS / "austen_pride_and_prejudice.txt").read_text()[:300_000]
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    body = 126
+    return np.array([[tokenizer.cls_token_id, *ids[i:i + body], tokenizer.sep_token_id]
+                     for i in range(0, len(ids) - body, body)])
+
+
+def words_of(tokens: list[str], special: set[int], ids: list[int]) -> list[list[int]]:
+    """The reference reading of a row's words, position by position: a maskable piece starts a word unless it is
+    `##...` right after a maskable piece."""
+    words: list[list[int]] = []
+    for p, (token, i) in enumerate(zip(tokens, ids)):
+        if i in special:
+            continue
+        if token.startswith("##") and p > 0 and ids[p - 1] not in special and words and words[-1][-1] == p - 1:
+            words[-1].append(p)
+        else:
+            words.append([p])
+    return words
+
+
+def test_whole_word_masking_takes_whole_words_up_to_the_count(tokenizer, novel_rows):
+    from truneg.synonyms.table import continuing_pieces
+
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    continues, special = continuing_pieces(vocab), set(tokenizer.all_special_ids)
+    rows = novel_rows.copy()
+    rows[::7, 60] = tokenizer.sep_token_id  # a special mid-row: no word spans it, the piece after it starts one
+    indices = np.arange(len(rows))
+    batch = mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
+                        mask_scheme("bert", None, 1.0, 0.0), 5, 0, indices, 20, word_continues=continues)
+    target, valid = batch["masked_target"].numpy(), batch["masked_valid"].numpy()
+    counts = valid.sum(axis=1)
+    maskable = (~np.isin(rows, list(special))).sum(axis=1)
+    assert (target == np.minimum(20, np.rint(0.15 * maskable))).all() and (counts <= target).all()
+    assert (counts == target).mean() >= 0.99, (counts == target).mean()
+    from truneg.model.objectives import masked_shortfall
+
+    assert masked_shortfall(batch["masked_target"], batch["masked_valid"])["mask_shortfall"] == (target - counts).sum()
+    for row in range(len(rows)):
+        picked = set(batch["masked_positions"][row][valid[row]].tolist())
+        ids = rows[row].tolist()
+        for word in words_of(vocab_of(vocab, ids), special, ids):
+            assert set(word) <= picked or not set(word) & picked, (row, word)  # never part of a word
+        assert not any(ids[p] in special for p in picked)
+        # the split applies per piece: here every selected piece is [MASK]
+        assert all(batch["input_ids"][row, p] == tokenizer.mask_token_id for p in picked)
+    # a pure function of (seed, epoch, index): the same rows in another batch, as another rank or a resume reads them
+    again = mask_tokens(rows[5:9], tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
+                        mask_scheme("bert", None, 1.0, 0.0), 5, 0, indices[5:9], 20, word_continues=continues)
+    assert all(torch.equal(again[k], batch[k][5:9]) for k in again)
+
+
+def vocab_of(vocab: list[str], ids: list[int]) -> list[str]:
+    return [vocab[i] for i in ids]
+
+
+def test_whole_word_masking_with_a_tokenizer_whose_word_starts_cannot_be_told_is_one_line(tmp_path):
+    from conftest import bpe_tokenizer
+
+    from truneg.errors import UserError
+    from truneg.train.build import check_start
+    from truneg.train.config.args import parse_args
+    from truneg.train.config.run_config import RunConfig
+
+    bpe_tokenizer(tmp_path / "bpe")
+    cfg = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--tokenizer", str(tmp_path / "bpe"),
+                                          "--whole-word-masking", "--output-dir", str(tmp_path / "run")]))
+    with pytest.raises(UserError, match="--whole-word-masking: --tokenizer .* is BPE, whose word starts"):
+        check_start(cfg, 1)
+    assert not (tmp_path / "run").exists()

@@ -311,18 +311,12 @@ def test_hc_with_a_tokenizer_that_is_not_wordpiece_is_one_line(tmp_path):
     with no backend to read, in one line."""
     from types import SimpleNamespace
 
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from conftest import bpe_tokenizer
 
     from truneg.data.blocks import tokenizer_kind
     from truneg.train.build import synonym_table
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(["the big house remains large, the rain again"] * 20,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>", "<mask>"]))
-    PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(tmp_path / "bpe")
-    loaded = AutoTokenizer.from_pretrained(tmp_path / "bpe")
+    loaded = bpe_tokenizer(tmp_path / "bpe")
     assert tokenizer_kind(loaded) == "BPE" and any(t.startswith("Ġ") for t in loaded.get_vocab())
     for hc in ("wordnet", "embedding"):
         with pytest.raises(UserError, match=f"--hc {hc}: --tokenizer my-bpe is BPE, and truneg's synonym tables"):

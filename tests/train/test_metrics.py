@@ -114,12 +114,13 @@ def test_each_record_field_is_its_formula_over_both_ranks_sums(tmp_path, monkeyp
     metrics = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=128, rank=0)
     sums = {"gen_loss": 0.0, "disc_loss": 0.0, "masked": 0.0, "mismatched": 0.0, "corrected": 0.0, "sequences": 0.0,
             "sequences_corrected": 0.0, "disc_correct": 0.0, "disc_tokens": 0.0, "mlm_argmax_correct": 0.0,
-            "mlm_sampled_correct": 0.0, "hc_judgeable": 0.0}
+            "mlm_sampled_correct": 0.0, "hc_judgeable": 0.0, "mask_shortfall": 0.0}
     losses = [2.0, float("nan"), 4.0]
     for i, loss in enumerate(losses):
         stats = {"gen_loss": 1.5 + i, "disc_loss": 0.25 * i, "masked": 20.0, "mismatched": 8.0 + i, "corrected": 2.0,
                  "sequences": 4.0, "sequences_corrected": 1.0 + i, "disc_correct": 500.0 + i, "disc_tokens": 512.0,
-                 "mlm_argmax_correct": 12.0, "mlm_sampled_correct": 9.0 + i, "hc_judgeable": 5.0 + i}
+                 "mlm_argmax_correct": 12.0, "mlm_sampled_correct": 9.0 + i, "hc_judgeable": 5.0 + i,
+                 "mask_shortfall": float(i)}
         metrics.add({k: torch.tensor(v) for k, v in stats.items()}, torch.tensor(loss),
                     torch.isfinite(torch.tensor(loss)), samples=4)
         if math.isnan(loss):
@@ -135,6 +136,7 @@ def test_each_record_field_is_its_formula_over_both_ranks_sums(tmp_path, monkeyp
     assert record["hc_pred_ratio"] == sums["corrected"] / sums["mismatched"]
     assert record["mlm_accuracy"] == 1 - sums["mismatched"] / sums["masked"]
     assert record["hc_reach"] == sums["hc_judgeable"] / sums["masked"]
+    assert record["wwm_shortfall"] == 2 * sums["mask_shortfall"]  # both ranks' pieces short, summed
     assert record["mlm_argmax_accuracy"] == sums["mlm_argmax_correct"] / sums["masked"]
     assert record["mlm_sampled_accuracy"] == sums["mlm_sampled_correct"] / sums["masked"]
     assert record["disc_accuracy"] == sums["disc_correct"] / sums["disc_tokens"]

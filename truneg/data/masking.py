@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from truneg.synonyms.table import continuing_pieces
+
 MaskScheme = tuple[float, float, float]  # (selected share, of those -> [MASK], -> random token); the rest unchanged
 MASK_SCHEMES: dict[str, MaskScheme] = {  # each family's default
     "bert": (0.15, 0.8, 0.1),
@@ -64,10 +66,13 @@ def mask_tokens(
     epoch: int,
     indices: np.ndarray,
     max_predictions: int,
+    word_continues: np.ndarray | None = None,
 ) -> dict[str, torch.Tensor]:
     """Mask a [B, L] batch of token ids with `scheme` (a family's default by name, or `mask_scheme`'s shares). Returns
     int64 `input_ids` (masked), `original_ids`, `masked_positions` [B, P] and bool `masked_valid` [B, P], with
-    P = max_predictions. Positions are sorted within a row."""
+    P = max_predictions. Positions are sorted within a row. With `word_continues` (bool over the vocab: the pieces
+    that continue a word, WordPiece's `##`), whole words are masked (`whole_word_positions`), and the batch also
+    carries each row's target count, `masked_target` [B]."""
     select_p, mask_p, random_p = MASK_SCHEMES[scheme] if isinstance(scheme, str) else scheme
     original = np.array(input_ids, dtype=np.int64)
     batch, length = original.shape
@@ -83,10 +88,16 @@ def mask_tokens(
     num_maskable = maskable.sum(axis=1)
     count = np.minimum(max_predictions, np.maximum(1, np.rint(select_p * num_maskable).astype(np.int64)))
     count = np.minimum(count, num_maskable)
-    # A random order of the maskable positions (unmaskable ones last); the first `count` are selected.
-    order = np.argsort(np.where(maskable, order_draw, 2.0), axis=1, kind="stable")[:, :max_predictions]
-    valid = np.arange(max_predictions)[None, :] < count[:, None]
-    positions = np.sort(np.where(valid, order, length), axis=1)  # sorted; padding (= length) last
+    if word_continues is None:
+        # A random order of the maskable positions (unmaskable ones last); the first `count` are selected.
+        order = np.argsort(np.where(maskable, order_draw, 2.0), axis=1, kind="stable")[:, :max_predictions]
+        valid = np.arange(max_predictions)[None, :] < count[:, None]
+        positions = np.sort(np.where(valid, order, length), axis=1)  # sorted; padding (= length) last
+    else:
+        positions = np.full((batch, max_predictions), length, dtype=np.int64)
+        for row in range(batch):
+            taken = whole_word_positions(original[row], maskable[row], word_continues, order_draw[row], count[row])
+            positions[row, :len(taken)] = taken
     valid = positions < length
     positions = np.where(valid, positions, 0)
 
@@ -96,12 +107,36 @@ def mask_tokens(
     to_random = valid & (action_draw >= mask_p) & (action_draw < mask_p + random_p)
     ids[rows[to_mask], positions[to_mask]] = mask_id
     ids[rows[to_random], positions[to_random]] = random_ids[to_random]
-    return {
+    masked = {
         "input_ids": torch.from_numpy(ids),
         "original_ids": torch.from_numpy(original),
         "masked_positions": torch.from_numpy(positions.astype(np.int64)),
         "masked_valid": torch.from_numpy(valid),
     }
+    if word_continues is not None:
+        masked["masked_target"] = torch.from_numpy(count.astype(np.int64))
+    return masked
+
+
+def whole_word_positions(ids: np.ndarray, maskable: np.ndarray, word_continues: np.ndarray, draw: np.ndarray,
+                         target: int) -> np.ndarray:
+    """Whole-word masking of one row: its words (a maskable piece that does not continue one starts a word, and so
+    does the first piece after a special token: a word never spans one, and a word cut at the block's start or end is
+    the part inside it) taken in the order of their first piece's `draw`, each with all its pieces; a word that would
+    pass `target` pieces is skipped and the next one tried. Returns the positions, sorted: at most `target`, and
+    `target` unless no remaining word fits."""
+    after_maskable = np.concatenate([[False], maskable[:-1]])
+    starts = maskable & ~(word_continues[ids] & after_maskable)
+    word = np.cumsum(starts) - 1  # each maskable position's word
+    first = np.flatnonzero(starts)
+    lengths = np.bincount(word[maskable], minlength=len(first))
+    chosen, total = np.zeros(len(first), dtype=bool), 0
+    for w in np.argsort(draw[first], kind="stable"):
+        if total + lengths[w] <= target:
+            chosen[w], total = True, total + lengths[w]
+            if total == target:
+                break
+    return np.flatnonzero(maskable & chosen[np.maximum(word, 0)] & (word >= 0))
 
 
 class _MicroBatchPlan(torch.utils.data.Sampler):
@@ -119,9 +154,10 @@ class _MaskedMicroBatches(torch.utils.data.Dataset):
     """Reads one micro-batch of blocks and masks it: run in the DataLoader's workers."""
 
     def __init__(self, blocks, special_ids, mask_id: int, vocab_size: int, scheme: str | MaskScheme, seed: int,
-                 max_predictions: int):
+                 max_predictions: int, word_continues: np.ndarray | None = None):
         self.blocks, self.special_ids, self.mask_id, self.vocab_size = blocks, special_ids, mask_id, vocab_size
         self.scheme, self.seed, self.max_predictions = scheme, seed, max_predictions
+        self.word_continues = word_continues
 
     def __getitem__(self, item):
         epoch, indices, position = item
@@ -129,7 +165,7 @@ class _MaskedMicroBatches(torch.utils.data.Dataset):
         rows = np.empty((len(indices), self.blocks.shape[1]), dtype=np.int64)
         rows[order] = self.blocks[indices[order]]
         batch = mask_tokens(rows, self.special_ids, self.mask_id, self.vocab_size, self.scheme, self.seed, epoch,
-                            indices, self.max_predictions)
+                            indices, self.max_predictions, self.word_continues)
         return pack(batch), position
 
 
@@ -178,11 +214,13 @@ class MaskedBatches:
     drain first."""
 
     def __init__(self, blocks, sampler, tokenizer, scheme: str | MaskScheme, seed: int, max_predictions: int,
-                 workers: int = 0, device: torch.device | None = None):
+                 workers: int = 0, device: torch.device | None = None, whole_words: bool = False):
         self.device = device if device is not None and device.type != "cpu" else None
         pin_memory = self.device is not None and self.device.type == "cuda"
         dataset = _MaskedMicroBatches(blocks, sorted(tokenizer.all_special_ids), tokenizer.mask_token_id,
-                                      len(tokenizer), scheme, seed, max_predictions)
+                                      len(tokenizer), scheme, seed, max_predictions,
+                                      continuing_pieces(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+                                      if whole_words else None)
         self.position = sampler.state_dict()
         if workers > 0:
             loader = torch.utils.data.DataLoader(

@@ -136,3 +136,9 @@ def false_negative_counts(
         "corrected": corrected.sum().float(),
         "sequences_corrected": corrected.any(dim=1).sum().float(),
     }
+
+
+def masked_shortfall(target: torch.Tensor | None, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Whole-word masking's pieces short of each row's target count (no remaining word fitted), summed over the
+    batch as a 0-d float; nothing for token masking (no target)."""
+    return {} if target is None else {"mask_shortfall": (target - valid.sum(dim=1)).sum().float()}

@@ -28,6 +28,7 @@ from truneg.model.objectives import (
     false_negative_counts,
     gumbel_max_sample,
     hard_correction,
+    masked_shortfall,
     mlm_loss,
     replaced_token_labels,
     sentence_regularization,
@@ -159,7 +160,8 @@ class BertPretrainer(_Pretrainer):
 
     def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
                 masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                masked_denominator: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                masked_denominator: torch.Tensor | None = None,
+                masked_target: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         gold = original_ids.gather(1, masked_positions)
         hidden = self.encode(input_ids, attention_mask)
         logits = self.masked_logits(hidden, masked_positions)
@@ -167,7 +169,8 @@ class BertPretrainer(_Pretrainer):
         corrected = _correct(gold, pred, masked_valid, self.hc_lookup)
         loss = mlm_loss(logits, gold, masked_valid & ~corrected, masked_denominator)
         stats = {"mlm_loss": loss.detach(), **false_negative_counts(gold, pred, corrected, masked_valid),
-                 **self.reach_counts(gold, original_ids, masked_positions, masked_valid)}
+                 **self.reach_counts(gold, original_ids, masked_positions, masked_valid),
+                 **masked_shortfall(masked_target, masked_valid)}
 
         def sentence_pair():
             # Section 5: "we fill the masked sentence s with the predicted tokens to have the predicted sentence
@@ -209,7 +212,8 @@ class ElectraPretrainer(_Pretrainer):
 
     def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
                 masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                masked_denominator: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                masked_denominator: torch.Tensor | None = None,
+                masked_target: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         gold = original_ids.gather(1, masked_positions)
         gen_hidden = self.generator.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         gen_logits = self.masked_logits(gen_hidden, masked_positions)
@@ -243,6 +247,7 @@ class ElectraPretrainer(_Pretrainer):
             "mlm_sampled_correct": ((sample == gold) & masked_valid).sum().float(),
             **false_negative_counts(gold, pred, corrected, masked_valid),
             **self.reach_counts(gold, original_ids, masked_positions, masked_valid),
+            **masked_shortfall(masked_target, masked_valid),
         }
 
         def sentence_pair():

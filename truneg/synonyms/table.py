@@ -52,6 +52,11 @@ def read_vocab(path: str | Path) -> list[str]:
     return tokens
 
 
+def continuing_pieces(tokens: Sequence[str]) -> np.ndarray:
+    """Bool over the vocab: the WordPiece pieces that continue the word before them (`##...`)."""
+    return np.array([token.startswith(CONTINUATION) for token in tokens], dtype=bool)
+
+
 def eligible_token_ids(tokens: Sequence[str]) -> np.ndarray:
     """Whole-word tokens only: letters, two or more, so no `##` pieces, specials, [unused*] or single letters."""
     return np.array([i for i, tok in enumerate(tokens) if WHOLE_WORD.fullmatch(tok)], dtype=np.int64)
@@ -223,8 +228,7 @@ class SynonymLookup(nn.Module):
         self.register_buffer("keys", torch.from_numpy(table.keys()), persistent=False)
         # HC's reach: the tokens with a row, and WordPiece's word-continuing pieces (`##...`)
         self.register_buffer("has_row", torch.from_numpy(np.diff(table.indptr) > 0), persistent=False)
-        continues = np.array([token.startswith(CONTINUATION) for token in table.tokens], dtype=bool)
-        self.register_buffer("continues", torch.from_numpy(continues), persistent=False)
+        self.register_buffer("continues", torch.from_numpy(continuing_pieces(table.tokens)), persistent=False)
 
     def judgeable(self, gold: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
         """Bool tensor shaped like `gold`: True where HC can judge a prediction of `gold` at all, i.e. `gold` has a

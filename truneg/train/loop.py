@@ -109,7 +109,8 @@ def start_state(cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
     # checkpoint's step (it ran before that save).
     metrics.drop_after(engine.global_steps, int(engine.global_samples))
     batches = TimedBatches(MaskedBatches(blocks, sampler, tokenizer, cfg.mask_scheme(engine.module.scheme), cfg.seed,
-                                         cfg.max_predictions, cfg.data_workers, device=engine.device))
+                                         cfg.max_predictions, cfg.data_workers, device=engine.device,
+                                         whole_words=cfg.whole_word_masking))
     metrics.efficiency = Efficiency.for_run(engine, batches, cfg.seq_len, cfg.max_predictions, cfg.peak_tflops, rank,
                                             world_size)
     return TrainState(sampler, batches, metrics, rank, first_step=phase1.step if phase1 else 0)

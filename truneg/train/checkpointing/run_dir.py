@@ -42,6 +42,7 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
         **({"init_generator": cfg.init_generator} if cfg.init_generator else {}),  # (absent from older records)
         **({"new_head": True} if cfg.new_head else {}),  # (only when set: earlier runs still resume)
         **({"reset_optimizer": True} if cfg.reset_optimizer else {}),
+        **({"whole_word_masking": True} if cfg.whole_word_masking else {}),
     }
 
 

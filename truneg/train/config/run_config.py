@@ -43,6 +43,7 @@ class RunConfig:
     mlm_probability: float | None  # None: the family's default (masking.MASK_SCHEMES), as the two below
     mask_replace_prob: float | None
     random_replace_prob: float | None
+    whole_word_masking: bool  # every piece of a selected word (masking.whole_word_positions)
     cache_dir: Path | None
     num_proc: int | None
     data_workers: int

@@ -126,6 +126,8 @@ class MetricsLogger:
         record["hc_iter_ratio"] = totals["sequences_corrected"] / max(totals["sequences"], 1.0)
         record["hc_pred_ratio"] = totals["corrected"] / max(totals["mismatched"], 1.0)
         record["mlm_accuracy"] = 1.0 - totals["mismatched"] / max(totals["masked"], 1.0)  # of the prediction HC judges
+        if "mask_shortfall" in totals:  # --whole-word-masking: masked pieces short of the rate's count, per rank summed
+            record["wwm_shortfall"] = int(totals["mask_shortfall"])
         if "hc_judgeable" in totals:  # the share of masked positions HC can judge at all
             record["hc_reach"] = totals["hc_judgeable"] / max(totals["masked"], 1.0)
         if "mlm_argmax_correct" in totals:  # ELECTRA's generator, as the official code logs it
