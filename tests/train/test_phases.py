@@ -240,7 +240,7 @@ def phase2_in_process(argv: list[str]):
 
 @pytest.mark.parametrize("stage, phase1_ranks", [(0, 1), (2, 1), (2, 2)])
 def test_reset_optimizer_keeps_the_masters_and_empties_the_moments(world_of_one, runs, small_corpus, tmp_path,
-                                                                   stage, phase1_ranks):
+                                                                   stage, phase1_ranks, monkeypatch):
     """--reset-optimizer at ZeRO-0, ZeRO-2 and ZeRO-2 through the universal form (phase 1 on 2 ranks, phase 2 on 1):
     the fp32 masters are phase 1's, bitwise; no moment and no step count is left."""
     from deepspeed.utils import safe_get_full_fp32_param
@@ -248,6 +248,7 @@ def test_reset_optimizer_keeps_the_masters_and_empties_the_moments(world_of_one,
     from truneg.pretrain import main
     from truneg.train.loop import innermost_optimizer
 
+    monkeypatch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))
     if phase1_ranks == 2:
         phase1, _ = runs("bert-zero2")
         tag = f"global_step{PHASE1_STEP}"
@@ -279,10 +280,13 @@ def test_reset_optimizer_keeps_the_masters_and_empties_the_moments(world_of_one,
         engine.destroy()
 
 
-def test_phase_2_refuses_what_it_cannot_start_from_in_one_line(world_of_one, runs, small_corpus, tmp_path, capsys):
+def test_phase_2_refuses_what_it_cannot_start_from_in_one_line(world_of_one, runs, small_corpus, tmp_path, capsys,
+                                                               monkeypatch):
     from conftest import cli_in_process
 
     from truneg.pretrain import main
+
+    monkeypatch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))  # the corpus prepared here, once
 
     phase1, _ = runs("bert-zero2")
     config = phase2_config(tmp_path)
@@ -320,10 +324,18 @@ def test_phase_2_refuses_what_it_cannot_start_from_in_one_line(world_of_one, run
     for argv, expected in cases:
         with pytest.raises(SystemExit) as stopped:
             main(argv)
-        err = capsys.readouterr().err
-        assert stopped.value.code == 2 and err.count("\n") == 1 and expected in err, (expected, err)
+        err = capsys.readouterr().err  # (the corpus's preparation may draw its progress bar first)
+        assert stopped.value.code == 2 and err.count("truneg: error: ") == 1, (expected, err)
+        assert err.splitlines()[-1].startswith("truneg: error: ") and expected in err.splitlines()[-1], (expected, err)
         assert not out.exists(), expected
     assert listing(other_run) == other_before
+    # `truneg preflight` checks phase 1's optimizer, precision and stage too, and sizes the run by phase 1's preset
+    from truneg.cluster import preflight
+
+    assert preflight.run(phase2_args(phase1, out, small_corpus, phase2_config(tmp_path, stage=3))) == 2
+    assert "phase 1 ran with ZeRO stage 2, this config with 3" in capsys.readouterr().err
+    assert preflight.run(phase2_args(phase1, out, small_corpus, config)) == 0
+    assert not out.exists()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ from truneg.cluster.hostfile import (
 )
 from truneg.data.masking import DEFAULT_RATE, default_max_predictions
 from truneg.errors import UserError, out_of_range
+from truneg.train.checkpointing import phases
 from truneg.train.config import ds_config, memory
 from truneg.train.config.args import argument_problems
 from truneg.train.config.args import build_parser as pretrain_parser
@@ -36,6 +38,7 @@ from truneg.train.config.checks import (
     start_problems,
 )
 from truneg.train.config.ds_config import GPU_ARCHS
+from truneg.train.config.run_config import RunConfig
 
 BYTES_PER_PARAM = {"fp32": 16, "fp16": 14, "bf16": 14}  # weights + fp32 master + two moments (Adam, LAMB)
 
@@ -133,11 +136,21 @@ def run(argv: list[str] | None = None) -> int:
     if not args.hostfile:
         hosts = {}  # one machine: no node checks
     problems += argument_problems(args)
+    phase1 = None
+    if args.phase1_checkpoint and Path(args.phase1_checkpoint).is_dir():  # (not yet there: PHASE=all's check first)
+        try:
+            phase1 = phases.find_phase1(args.phase1_checkpoint, Path(args.output_dir))
+            args.model = phases.adopt(RunConfig.from_args(args), phase1).model  # phase 1's preset sizes the run
+        except UserError as err:
+            problems.append(str(err))
     config, choices = None, []
     try:
         config, choices = resolve_config(args, world_size, capability, gpu_memory)
     except UserError as err:
         problems.append(str(err))
+    if phase1 is not None and config and (problem := phases.config_problem(
+            phase1, config, phase1.record.get("synonym_table"))):  # (the table: checked at the start, built there)
+        problems.append(problem)
     nodes = max(len(hosts), 1)
     problems += start_problems(args, config, world_size, capability, nodes) if config else path_problems(args, nodes)
     if len(hosts) > 1:

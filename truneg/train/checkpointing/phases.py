@@ -84,6 +84,11 @@ def find_phase1(spec: str, output_dir: Path) -> Phase1:
     return Phase1(checkpoint_dir, tag, meta["step"], meta.get("samples"), meta["world_size"], record)
 
 
+def _resolved(path: str | Path | None) -> str | None:
+    """A folder as one path however it was written (relative or not); a hub name as it is."""
+    return None if path is None else str(Path(path).resolve()) if Path(path).exists() else str(path)
+
+
 def adopt(cfg: RunConfig, phase1: Phase1) -> RunConfig:
     """Phase 2's config: phase 1's preset where --model is not given; a preset, tokenizer or family that contradicts
     phase 1's is one line."""
@@ -98,7 +103,7 @@ def adopt(cfg: RunConfig, phase1: Phase1) -> RunConfig:
     if cfg.model is not None and cfg.model != record["model"]:
         raise UserError(f"--model {cfg.model}, but phase 1 trained {record['model']}: drop --model (phase 2 takes "
                         "phase 1's)")
-    if str(cfg.tokenizer) != record.get("tokenizer"):
+    if _resolved(cfg.tokenizer) != _resolved(record.get("tokenizer")):
         raise UserError(f"--tokenizer {cfg.tokenizer}, but phase 1 tokenized with {record.get('tokenizer')}: pass "
                         "that one")
     return replace(cfg, model=record["model"])
