@@ -17,29 +17,46 @@ def _synonyms_build(args) -> None:
     import time
 
     from truneg.synonyms import sources as synonym_sources
-    from truneg.synonyms import table as synonyms
 
-    tokens = synonyms.read_vocab(args.vocab)
+    tokens, kind, normalize = _table_vocab(args)
     start = time.perf_counter()
     if args.source == "wordnet":
-        table = synonym_sources.build_from_wordnet(tokens, morphy=not args.exact, progress=True)
+        table = synonym_sources.build_from_wordnet(tokens, morphy=not args.exact, progress=True, kind=kind)
     elif args.source == "embedding":
         if not args.embeddings:
             raise UserError("--source embedding needs --embeddings (a word2vec file or an HF model folder)")
-        table = synonym_sources.build_from_embeddings(tokens, args.embeddings, args.top_k, args.min_cosine)
+        table = synonym_sources.build_from_embeddings(tokens, args.embeddings, args.top_k, args.min_cosine, kind)
     else:
         if not args.tsv:
             raise UserError("--source tsv needs --tsv FILE (one `word<TAB>synonym` per line)")
-        table = synonym_sources.build_from_tsv(tokens, args.tsv)
+        table = synonym_sources.build_from_tsv(tokens, args.tsv, kind, normalize)
     table.save(args.out)
     print(f"{args.out}: {table.num_rows_with_synonyms} words with synonyms, {table.num_entries} entries, "
           f"source {table.source}, built in {time.perf_counter() - start:.1f} s")
 
 
+def _table_vocab(args) -> tuple[list[str], str, object]:
+    """--vocab FILE (WordPiece) or --tokenizer DIR|NAME: its tokens as training lists them (`convert_ids_to_tokens` in
+    id order: the table's vocab hash is over them), its kind, and its normaliser for TSV words (None: as written)."""
+    from truneg.data.blocks import load_tokenizer, tokenizer_kind
+    from truneg.synonyms import table as synonyms
+
+    if args.vocab:
+        return synonyms.read_vocab(args.vocab), "WordPiece", None
+    tokenizer = load_tokenizer(args.tokenizer)
+    kind = tokenizer_kind(tokenizer)
+    if kind not in synonyms.WORD_STARTS:
+        raise UserError(f"--tokenizer {args.tokenizer} is {kind or 'of no kind truneg can read'}; synonym tables read "
+                        f"{', '.join(synonyms.WORD_STARTS)} vocabularies")
+    normalizer = tokenizer.backend_tokenizer.normalizer
+    return (tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))), kind,
+            normalizer.normalize_str if normalizer is not None else None)
+
+
 def _synonyms_show(args) -> None:
     from truneg.synonyms import table as synonyms
 
-    expect = synonyms.read_vocab(args.vocab) if args.vocab else None
+    expect = _table_vocab(args)[0] if args.vocab or args.tokenizer else None
     table = synonyms.SynonymTable.load(args.table, expect_tokens=expect)
     for word in args.words:
         print(f"{word}\t{' '.join(table.synonyms_of(word))}")
@@ -82,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     syn = commands.add_parser("synonyms", help="build or inspect synonym tables").add_subparsers(dest="action",
                                                                                                  required=True)
     build = syn.add_parser("build", help="build a CSR synonym table (.npz)")
-    build.add_argument("--vocab", required=True, help="vocab.txt or a tokenizer folder")
+    vocab = build.add_mutually_exclusive_group(required=True)
+    vocab.add_argument("--vocab", help="a WordPiece vocab.txt, or a tokenizer folder holding one")
+    vocab.add_argument("--tokenizer", help="a tokenizer (folder or hub name) of any kind truneg reads: its tokens as "
+                       "training lists them")
     build.add_argument("--source", choices=["wordnet", "embedding", "tsv"], default="wordnet")
     build.add_argument("--tsv", help="for --source tsv: word<TAB>synonym lines")
     build.add_argument("--embeddings", help="for --source embedding: word2vec file (text or binary) or HF model folder")
@@ -100,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("table", type=Path)
     show.add_argument("words", nargs="+")
     show.add_argument("--vocab", help="refuse a table built for another vocab")
+    show.add_argument("--tokenizer", help="refuse a table built for another tokenizer's vocab")
     show.set_defaults(func=_synonyms_show)
 
     exp = commands.add_parser("export", help="ZeRO checkpoint -> HF save_pretrained folder(s)")

@@ -288,6 +288,6 @@ def test_whole_word_masking_with_a_tokenizer_whose_word_starts_cannot_be_told_is
     bpe_tokenizer(tmp_path / "bpe")
     cfg = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--tokenizer", str(tmp_path / "bpe"),
                                           "--whole-word-masking", "--output-dir", str(tmp_path / "run")]))
-    with pytest.raises(UserError, match="--whole-word-masking: --tokenizer .* is BPE, whose word starts"):
+    with pytest.raises(UserError, match="--whole-word-masking: --tokenizer .* is byte-level BPE, whose word starts"):
         check_start(cfg, 1)
     assert not (tmp_path / "run").exists()

@@ -99,7 +99,7 @@ def test_inflected_words_get_exactly_what_wn_synsets_gives(shipped, exact, word,
     vocab = set(shipped.tokens)
     expected = {n.lower() for s in wn.synsets(word) for n in s.lemma_names() if "_" not in n} & vocab - {word}
     got = set(shipped.synonyms_of(word))
-    assert got == {w for w in expected if synonyms.WHOLE_WORD.fullmatch(w)}
+    assert got == {w for w in expected if synonyms.word_of(w) is not None}
     assert lemma in got and lemma not in exact.synonyms_of(word)
 
 
@@ -305,10 +305,11 @@ def test_cli_show_and_vocab_refusal(tmp_path):
     assert proc.stderr.startswith("truneg: error: synonym table") and "not sorted and unique" in proc.stderr
 
 
-def test_hc_with_a_tokenizer_that_is_not_wordpiece_is_one_line(tmp_path):
-    """A byte-level BPE vocabulary (RoBERTa's kind: `Ġbig` starts a word, `ain` continues one) would get a table of
-    its word-internal pieces (`re` -> `ra`): `--hc` refuses any tokenizer whose backend is not WordPiece, and one
-    with no backend to read, in one line."""
+def test_a_byte_level_bpe_vocabs_table_holds_its_word_start_tokens_only(tmp_path):
+    """A byte-level BPE vocabulary (RoBERTa's kind: `Ġbig` starts a word, `ain` continues one): the table's rows and
+    synonyms are its word-start tokens, looked up by their words (`Ġbig` -> `Ġlarge`), never a word-internal piece
+    (`ain`, or `the` glued to a line's start, which the WordPiece rule would take for words); HC's reach reads
+    `ain` as a continuation. A tokenizer whose kind cannot be read is one line with --hc."""
     from types import SimpleNamespace
 
     from conftest import bpe_tokenizer
@@ -317,10 +318,16 @@ def test_hc_with_a_tokenizer_that_is_not_wordpiece_is_one_line(tmp_path):
     from truneg.train.build import synonym_table
 
     loaded = bpe_tokenizer(tmp_path / "bpe")
-    assert tokenizer_kind(loaded) == "BPE" and any(t.startswith("Ġ") for t in loaded.get_vocab())
-    for hc in ("wordnet", "embedding"):
-        with pytest.raises(UserError, match=f"--hc {hc}: --tokenizer my-bpe is BPE, and truneg's synonym tables"):
-            synonym_table(SimpleNamespace(hc=hc, tokenizer="my-bpe", hc_embeddings="x"), loaded)
+    tokens = loaded.convert_ids_to_tokens(list(range(len(loaded))))
+    assert tokenizer_kind(loaded) == "byte-level BPE" and {"Ġbig", "Ġlarge", "ain", "the"} <= set(tokens)
+    table = synonym_table(SimpleNamespace(hc="wordnet", tokenizer="my-bpe"), loaded)
+    rows = [i for i in range(table.vocab_size) if table.row(i).size]
+    assert rows and all(tokens[i].startswith("Ġ") and tokens[i][1:].isalpha() for i in rows)
+    assert all(tokens[j].startswith("Ġ") for i in rows for j in table.row(i))
+    assert "Ġlarge" in table.synonyms_of("Ġbig") and table.options["tokenizer_kind"] == "byte-level BPE"
+    lookup = SynonymLookup(table)
+    big, ain, comma = (torch.tensor([tokens.index(t)]) for t in ("Ġbig", "ain", ","))
+    assert lookup.judgeable(big, comma).item() and not lookup.judgeable(big, ain).item()
     assert synonym_table(SimpleNamespace(hc="none", tokenizer="my-bpe"), loaded) is None
 
     class Unreadable:  # a slow tokenizer: no backend to read its kind from
@@ -332,3 +339,40 @@ def test_hc_with_a_tokenizer_that_is_not_wordpiece_is_one_line(tmp_path):
 
     with pytest.raises(UserError, match="is of no kind truneg can read"):
         synonym_table(SimpleNamespace(hc="wordnet", tokenizer="slow"), Unreadable())
+
+
+def test_letters_of_any_script_make_words_and_tsv_words_pass_the_tokenizers_normaliser(tmp_path):
+    from truneg.data.blocks import load_tokenizer
+    from truneg.synonyms.sources import build_from_tsv
+
+    assert [synonyms.word_of(t) for t in ("naïve", "привет", "big", "##ing", "a", "x2", "[CLS]")] == [
+        "naïve", "привет", "big", None, None, None, None]
+    assert synonyms.word_of("Ġbig", "byte-level BPE") == "big" and synonyms.word_of("big", "byte-level BPE") is None
+    assert synonyms.word_of("▁Big", "SentencePiece") == "Big"
+    tokenizer = load_tokenizer()  # uncased: lower-cases and strips accents
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("Naïve\tSimple\nCAFÉ\trestaurant\n")
+    table = build_from_tsv(tokens, tsv, normalize=tokenizer.backend_tokenizer.normalizer.normalize_str)
+    assert table.synonyms_of("naive") == ["simple"] and table.synonyms_of("cafe") == ["restaurant"]
+
+
+def test_synonyms_build_takes_a_tokenizer_and_lists_its_tokens_as_training_does(tmp_path, shipped):
+    """`truneg synonyms build/show --tokenizer`: bert-base-uncased's gives the shipped table, the same content; a
+    byte-level BPE tokenizer's, a table training takes for it (its vocab hash is over the tokens training lists)."""
+    from conftest import bpe_tokenizer
+
+    from truneg.data.blocks import DEFAULT_TOKENIZER
+
+    out = tmp_path / "bert.npz"
+    assert cli_in_process("synonyms", "build", "--tokenizer", str(DEFAULT_TOKENIZER), "--out", str(out)).returncode == 0
+    assert SynonymTable.load(out).content_sha256 == shipped.content_sha256
+    loaded = bpe_tokenizer(tmp_path / "bpe")
+    bpe = tmp_path / "bpe.npz"
+    assert cli_in_process("synonyms", "build", "--tokenizer", str(tmp_path / "bpe"), "--out", str(bpe)).returncode == 0
+    table = SynonymTable.load(bpe, expect_tokens=loaded.convert_ids_to_tokens(list(range(len(loaded)))))
+    assert "Ġlarge" in table.synonyms_of("Ġbig")
+    shown = cli_in_process("synonyms", "show", str(bpe), "Ġbig", "--tokenizer", str(tmp_path / "bpe"))
+    assert shown.returncode == 0 and "Ġlarge" in shown.stdout
+    refused = cli_in_process("synonyms", "show", str(bpe), "big", "--tokenizer", str(DEFAULT_TOKENIZER))
+    assert refused.returncode == 2 and "vocab" in refused.stderr

@@ -7,6 +7,7 @@ pure function of (seed, epoch), so it is identical after a resume and does not d
 from __future__ import annotations
 
 import glob
+import json
 import os
 import resource
 import shutil
@@ -47,15 +48,25 @@ def load_tokenizer(name_or_dir: str | Path = DEFAULT_TOKENIZER) -> PreTrainedTok
         raise UserError(f"cannot load tokenizer {name_or_dir} ({err}); pass a folder with vocab.txt") from None
 
 
-# The tokenizer kinds, by their backend's model: WordPiece (BERT's `##` pieces) is the one truneg's synonym tables
-# read as words; byte-level BPE (`Ġ`) and SentencePiece (`▁`) mark word starts, not continuations.
-TOKENIZER_KINDS = {"WordPiece": "WordPiece", "BPE": "BPE", "Unigram": "SentencePiece (Unigram)"}
+# The tokenizer kinds truneg tells apart, by how they mark words: WordPiece (BERT's, ELECTRA's) marks the pieces that
+# continue a word (`##`), byte-level BPE (RoBERTa's, GPT-2's) the tokens that start one (`Ġ`), and SentencePiece's
+# Metaspace (XLM-R's, T5's) too (`▁`).
+PRE_TOKENIZER_KINDS = {"ByteLevel": "byte-level BPE", "Metaspace": "SentencePiece"}
 
 
 def tokenizer_kind(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """The tokenizer's kind (TOKENIZER_KINDS' values), read from its fast backend; None where it has none."""
+    """"WordPiece", "byte-level BPE" or "SentencePiece", read from the fast tokenizer's backend (its model, else its
+    pre-tokenizer); the backend model's name for another kind; None for a tokenizer without a backend."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return None if backend is None else TOKENIZER_KINDS.get(type(backend.model).__name__, type(backend.model).__name__)
+    if backend is None:
+        return None
+    model = type(backend.model).__name__
+    if model == "WordPiece":
+        return model
+    spec = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    parts = spec.get("pretokenizers", [spec]) if spec.get("type") == "Sequence" else [spec]
+    kinds = [PRE_TOKENIZER_KINDS[p["type"]] for p in parts if p.get("type") in PRE_TOKENIZER_KINDS]
+    return kinds[0] if kinds else model
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Each builder returns a `truneg.synonyms.table.SynonymTable` over the given vocab
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +13,14 @@ from tqdm import tqdm
 from transformers import AutoModel
 
 from truneg.errors import UserError
-from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymTable, eligible_token_ids, vocab_sha256
+from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymTable, eligible_token_ids, vocab_sha256, word_of
 from truneg.synonyms.wordnet import load_wordnet
 
 
-def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: bool = False) -> SynonymTable:
-    """Synonyms = single-word lemma names of the word's synsets that are whole vocab tokens.
+def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: bool = False,
+                       kind: str = "WordPiece") -> SynonymTable:
+    """Synonyms = single-word lemma names of the word's synsets that are whole vocab tokens (`word_of` for the
+    tokenizer's `kind`: a BPE vocab's rows and synonyms are its word-start tokens, `Ġbig` -> `Ġlarge`).
 
     With `morphy` (the default) the word's synsets are exactly `nltk.corpus.wordnet.synsets(word)`, which
     lemmatises first: "ran" gets run's synsets, and so "run" becomes a synonym of "ran" (not the reverse:
@@ -34,12 +36,13 @@ def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: boo
     """
     wn = load_wordnet()
     lemma_index = wn._lemma_pos_offset_map  # its lemmas are lower-case
-    eligible = eligible_token_ids(tokens).tolist()
-    token_to_id = {tokens[i]: i for i in eligible}
+    eligible = eligible_token_ids(tokens, kind).tolist()
+    words = {i: word_of(tokens[i], kind) for i in eligible}
+    word_to_id = {word: i for i, word in words.items()}
 
     # synset (pos, offset) -> its single-word lemmas that the vocab holds in some case; 's' (satellite) lives
     # in data.adj.
-    in_vocab = {tok.lower() for tok in token_to_id}
+    in_vocab = {word.lower() for word in word_to_id}
     members: dict[tuple[str, int], list[str]] = {}
     for lemma, offsets_by_pos in lemma_index.items():
         if lemma not in in_vocab:  # also every multi-word lemma ("_"): no whole-word token has one
@@ -63,20 +66,27 @@ def build_from_wordnet(tokens: Sequence[str], morphy: bool = True, progress: boo
 
     rows, cols = [], []
     for token_id in tqdm(eligible, desc="wordnet", disable=not progress, unit="word"):
-        word = tokens[token_id]
+        word = words[token_id]
         for synset in synsets_of(word.lower()):  # as `wn.synsets` lower-cases its query
-            synonyms = [token_to_id.get(written_as(word, lemma)) for lemma in members.get(synset, ())]
+            synonyms = [word_to_id.get(written_as(word, lemma)) for lemma in members.get(synset, ())]
             synonyms = [j for j in synonyms if j is not None]
             rows.extend([token_id] * len(synonyms))
             cols.extend(synonyms)
-    options = {"morphy": morphy, "wordnet_version": str(wn.get_version())}
+    options = {"morphy": morphy, "wordnet_version": str(wn.get_version()), **kind_option(kind)}
     return SynonymTable.from_arrays(np.array(rows), np.array(cols), tokens, "wordnet", options)
 
 
-def wordnet_for_vocab(tokens: Sequence[str]) -> SynonymTable:
+def kind_option(kind: str) -> dict:
+    """The table's record of its tokenizer's kind (a WordPiece table, as every table written before, records none)."""
+    return {} if kind == "WordPiece" else {"tokenizer_kind": kind}
+
+
+def wordnet_for_vocab(tokens: Sequence[str], kind: str = "WordPiece") -> SynonymTable:
     """The WordNet table of a vocab: the shipped one when it is this vocab's (instant), else built (about 3 s)."""
     shipped = SynonymTable.load(SHIPPED_WORDNET_TABLE) if SHIPPED_WORDNET_TABLE.is_file() else None
-    return shipped if shipped is not None and shipped.sha256 == vocab_sha256(tokens) else build_from_wordnet(tokens)
+    if shipped is not None and shipped.sha256 == vocab_sha256(tokens) and kind == "WordPiece":
+        return shipped
+    return build_from_wordnet(tokens, kind=kind)
 
 
 def read_word2vec(path: Path) -> dict[str, np.ndarray]:
@@ -146,11 +156,14 @@ def embedding_matrix_for_vocab(source: str | Path, tokens: Sequence[str]) -> np.
 
 
 def build_from_embeddings(
-    tokens: Sequence[str], embeddings: str | Path | np.ndarray, top_k: int = 10, min_cosine: float = 0.6
+    tokens: Sequence[str], embeddings: str | Path | np.ndarray, top_k: int = 10, min_cosine: float = 0.6,
+    kind: str = "WordPiece",
 ) -> SynonymTable:
-    """The paper's Word2Vec variant: each eligible token's top-k eligible neighbours with cosine >= min_cosine."""
-    matrix = embeddings if isinstance(embeddings, np.ndarray) else embedding_matrix_for_vocab(embeddings, tokens)
-    ids = eligible_token_ids(tokens)
+    """The paper's Word2Vec variant: each eligible token's top-k eligible neighbours with cosine >= min_cosine (a
+    word2vec file's vectors are looked up by the tokens' words, `word_of`)."""
+    words = [word_of(token, kind) or token for token in tokens]
+    matrix = embeddings if isinstance(embeddings, np.ndarray) else embedding_matrix_for_vocab(embeddings, words)
+    ids = eligible_token_ids(tokens, kind)
     vecs = torch.from_numpy(np.ascontiguousarray(matrix[ids], dtype=np.float32))
     norms = vecs.norm(dim=1, keepdim=True)
     ids, vecs = ids[(norms.squeeze(1) > 0).numpy()], vecs[norms.squeeze(1) > 0] / norms[norms.squeeze(1) > 0]
@@ -167,18 +180,22 @@ def build_from_embeddings(
         r, c = keep.nonzero(as_tuple=True)
         rows.append(ids[start + r.numpy()])
         cols.append(ids[neighbours[r, c].numpy()])
-    options = {"top_k": top_k, "min_cosine": min_cosine,
-               "embeddings": str(embeddings) if not isinstance(embeddings, np.ndarray) else "array"}
+    source = str(embeddings) if not isinstance(embeddings, np.ndarray) else "array"
+    options = {"top_k": top_k, "min_cosine": min_cosine, "embeddings": source, **kind_option(kind)}
     return SynonymTable.from_arrays(np.concatenate(rows), np.concatenate(cols), tokens, "embedding", options)
 
 
-def build_from_tsv(tokens: Sequence[str], tsv: str | Path) -> SynonymTable:
-    """One `word<TAB>synonym` per line; pairs whose words are not whole vocab tokens are skipped."""
+def build_from_tsv(tokens: Sequence[str], tsv: str | Path, kind: str = "WordPiece",
+                   normalize: Callable[[str], str] | None = None) -> SynonymTable:
+    """One `word<TAB>synonym` per line; pairs whose words are not whole vocab tokens are skipped. Each word passes
+    through `normalize` first (the tokenizer's normaliser: uncased BERT lower-cases and strips accents, so `Naïve`
+    is the token `naive`)."""
     tsv = Path(tsv)
     if not tsv.is_file():
         raise UserError(f"TSV {tsv} does not exist; pass a file with one `word<TAB>synonym` per line")
-    token_to_id = {tok: i for i, tok in enumerate(tokens)}
-    eligible = set(eligible_token_ids(tokens).tolist())
+    eligible = eligible_token_ids(tokens, kind).tolist()
+    word_to_id = {word_of(tokens[i], kind): i for i in eligible}
+    normalize = normalize or (lambda word: word)
     pairs = []
     for number, line in enumerate(tsv.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip() or line.startswith("#"):
@@ -186,9 +203,9 @@ def build_from_tsv(tokens: Sequence[str], tsv: str | Path) -> SynonymTable:
         parts = line.split("\t")
         if len(parts) != 2:
             raise UserError(f"{tsv}:{number}: expected `word<TAB>synonym`, got {line[:60]!r}")
-        word, synonym = (token_to_id.get(p.strip()) for p in parts)
-        if word in eligible and synonym in eligible:
+        word, synonym = (word_to_id.get(normalize(p.strip())) for p in parts)
+        if word is not None and synonym is not None:
             pairs.append((word, synonym))
     if not pairs:
         raise UserError(f"TSV {tsv} has no `word<TAB>synonym` pair of whole vocab tokens; check its format and vocab")
-    return SynonymTable.from_pairs(pairs, tokens, "tsv", {"tsv": str(tsv)})
+    return SynonymTable.from_pairs(pairs, tokens, "tsv", {"tsv": str(tsv), **kind_option(kind)})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +22,10 @@ from torch import nn
 
 from truneg.errors import UserError
 
-WHOLE_WORD = re.compile(r"[a-z]{2,}", re.IGNORECASE)
 CONTINUATION = "##"  # WordPiece's mark of a piece that continues the word before it
+# Each tokenizer kind's mark of a token that starts a word (truneg.data.blocks.tokenizer_kind names the kinds):
+# WordPiece marks the continuing pieces instead, byte-level BPE and SentencePiece the starts.
+WORD_STARTS = {"WordPiece": "", "byte-level BPE": "\u0120", "SentencePiece": "\u2581"}  # Ġ, ▁
 SHIPPED_WORDNET_TABLE = Path(__file__).resolve().parents[1] / "assets" / "synonyms" / "wordnet_bert-base-uncased.npz"
 
 
@@ -52,14 +53,29 @@ def read_vocab(path: str | Path) -> list[str]:
     return tokens
 
 
-def continuing_pieces(tokens: Sequence[str]) -> np.ndarray:
-    """Bool over the vocab: the WordPiece pieces that continue the word before them (`##...`)."""
-    return np.array([token.startswith(CONTINUATION) for token in tokens], dtype=bool)
+def continuing_pieces(tokens: Sequence[str], kind: str = "WordPiece") -> np.ndarray:
+    """Bool over the vocab: the pieces that continue the word before them: WordPiece's `##...`; for a kind that marks
+    word starts, a piece without the mark that begins with a letter (`ning` of `Ġrun ning`; not `,`)."""
+    marker = WORD_STARTS[kind]
+    if not marker:
+        return np.array([token.startswith(CONTINUATION) for token in tokens], dtype=bool)
+    return np.array([not token.startswith(marker) and token[:1].isalpha() for token in tokens], dtype=bool)
 
 
-def eligible_token_ids(tokens: Sequence[str]) -> np.ndarray:
-    """Whole-word tokens only: letters, two or more, so no `##` pieces, specials, [unused*] or single letters."""
-    return np.array([i for i, tok in enumerate(tokens) if WHOLE_WORD.fullmatch(tok)], dtype=np.int64)
+def word_of(token: str, kind: str = "WordPiece") -> str | None:
+    """The word a token stands for on its own, its kind's word-start mark stripped, or None: a whole word is two or
+    more letters (of any script: what `str.isalpha` accepts, Unicode's letter categories), so no `##` piece, no
+    word-internal BPE piece (no `Ġ`), no special, `[unused*]`, digit or single letter."""
+    marker = WORD_STARTS[kind]
+    if not token.startswith(marker):
+        return None
+    word = token[len(marker):]
+    return word if len(word) >= 2 and word.isalpha() else None
+
+
+def eligible_token_ids(tokens: Sequence[str], kind: str = "WordPiece") -> np.ndarray:
+    """The whole-word tokens (`word_of`), the only rows and synonyms a table holds."""
+    return np.array([i for i, tok in enumerate(tokens) if word_of(tok, kind) is not None], dtype=np.int64)
 
 
 @dataclass
@@ -228,7 +244,8 @@ class SynonymLookup(nn.Module):
         self.register_buffer("keys", torch.from_numpy(table.keys()), persistent=False)
         # HC's reach: the tokens with a row, and WordPiece's word-continuing pieces (`##...`)
         self.register_buffer("has_row", torch.from_numpy(np.diff(table.indptr) > 0), persistent=False)
-        self.register_buffer("continues", torch.from_numpy(continuing_pieces(table.tokens)), persistent=False)
+        continues = continuing_pieces(table.tokens, table.options.get("tokenizer_kind", "WordPiece"))
+        self.register_buffer("continues", torch.from_numpy(continues), persistent=False)
 
     def judgeable(self, gold: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
         """Bool tensor shaped like `gold`: True where HC can judge a prediction of `gold` at all, i.e. `gold` has a

@@ -17,7 +17,7 @@ from truneg.model import hub
 from truneg.model.compile import compile_layers
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, checkpoint_activations, parameter_groups
 from truneg.synonyms.sources import build_from_embeddings, wordnet_for_vocab
-from truneg.synonyms.table import SynonymLookup, SynonymTable
+from truneg.synonyms.table import WORD_STARTS, SynonymLookup, SynonymTable
 from truneg.train.checkpointing import checkpoint, phases
 from truneg.train.config.args import parse_args
 from truneg.train.config.checks import deepspeed_optimizer, resolve_config, start_problems
@@ -136,20 +136,20 @@ def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Synonym
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if cfg.hc == "none":
         return None
-    if (kind := tokenizer_kind(tokenizer)) != "WordPiece":
+    if (kind := tokenizer_kind(tokenizer)) not in WORD_STARTS:
         raise UserError(f"--hc {cfg.hc}: --tokenizer {cfg.tokenizer} is {kind or 'of no kind truneg can read'}, and "
-                        "truneg's synonym tables read WordPiece vocabularies (BERT's and ELECTRA's) only; train "
-                        "without --hc, or with a WordPiece tokenizer")
+                        f"truneg's synonym tables read {', '.join(WORD_STARTS)} vocabularies only, whose whole words "
+                        "they can tell; train without --hc, or with a tokenizer of those kinds")
     if cfg.hc == "wordnet":
-        table = wordnet_for_vocab(tokens)
+        table = wordnet_for_vocab(tokens, kind)
         if table.num_entries == 0:
             raise UserError(f"--hc wordnet: no word of the vocab of --tokenizer {cfg.tokenizer} has a WordNet synonym "
-                            "in it, so HC would correct nothing; it needs whole words as tokens (WordPiece, as BERT's)")
+                            "in it, so HC would correct nothing; it needs whole words as tokens")
         return table
     if cfg.hc == "embedding":
         if not cfg.hc_embeddings:
             raise UserError("--hc embedding needs --hc-embeddings (a word2vec file or an HF model folder)")
-        return build_from_embeddings(tokens, cfg.hc_embeddings)
+        return build_from_embeddings(tokens, cfg.hc_embeddings, kind=kind)
     if not cfg.hc.endswith(".npz"):
         raise UserError(f"--hc {cfg.hc!r}: use {', '.join(HC_SOURCES)} or a FILE.npz built by `truneg synonyms build`")
     return SynonymTable.load(cfg.hc, expect_tokens=tokens)

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from truneg.data.blocks import PreparedBlocks, ensure_prepared, open_prepared
+from truneg.data.blocks import PreparedBlocks, ensure_prepared, open_prepared, tokenizer_kind
 from truneg.data.masking import default_max_predictions, mask_tokens
 from truneg.errors import UserError
 from truneg.model.objectives import false_negative_counts, hard_correction
 from truneg.model.pretrainers import BertPretrainer, bert_masked_logits, fill_masked, generator_masked_logits
 from truneg.synonyms.sources import wordnet_for_vocab
-from truneg.synonyms.table import SynonymLookup, SynonymTable
+from truneg.synonyms.table import WORD_STARTS, SynonymLookup, SynonymTable
 from truneg.train.build import Start, open_blocks
 from truneg.train.checkpointing.checkpoint import HF_CONFIG_DIR
 
@@ -49,7 +49,9 @@ _SAMPLE_STREAM = 1  # numpy seed [seed, 0, index, 1]: a stream apart from the ma
 
 def wordnet_table(tokenizer: PreTrainedTokenizerBase) -> SynonymTable:
     """What Table 2 live counts with by default: the shipped WordNet table, or one built for another vocab."""
-    return wordnet_for_vocab(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    kind = tokenizer_kind(tokenizer)  # (one truneg cannot read: as WordPiece)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return wordnet_for_vocab(tokens, kind if kind in WORD_STARTS else "WordPiece")
 
 
 def eval_table(tokenizer: PreTrainedTokenizerBase, path: str | Path | None = None) -> SynonymTable:
