@@ -27,6 +27,8 @@ KEEP=docs/minilm
 mkdir -p "$KEEP"
 cp "$OUT"/report/*.csv "$KEEP"/
 cp "$OUT/HC/fn-novels/fn_stats.json" "$KEEP/fn_stats_novels_hc.json"
-(cd "$OUT" && find . -name results.json -o -name fn_stats.json -o -name robustness.json -o -name ablation.json) |
+# (the novels' Table 2 is kept above: `truneg report` takes one fn_stats.json a run)
+(cd "$OUT" && find . -path ./HC/fn-novels -prune -o \( -name results.json -o -name fn_stats.json -o -name robustness.json \
+  -o -name ablation.json \) -print) |
   while read -r f; do mkdir -p "$KEEP/results/$(dirname "$f")"; cp "$OUT/$f" "$KEEP/results/$f"; done
 echo "kept the result files in $KEEP; \`truneg report\` of $KEEP/results rebuilds the tables"
