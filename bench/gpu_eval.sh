@@ -67,7 +67,8 @@ timeout 120 "$PY" - <<'EOF' 2>> "$LOG" | tee -a "$SUMMARY"
 import numpy as np, torch
 from truneg.data.blocks import load_tokenizer
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
-from truneg.train.heldout import HeldOut, wordnet_table
+from truneg.train.build import wordnet_table
+from truneg.train.heldout import HeldOut
 tokenizer = load_tokenizer()
 blocks = np.random.default_rng(0).integers(1000, 20000, (64, 128)).astype(np.int32)
 for preset in ("bert-tiny", "electra-tiny"):

@@ -1,6 +1,7 @@
-"""HC's reach: the share of masked positions HC can judge at all (the gold token has a row in the table and the next
-original token does not continue its word), as training's `hc_reach` counts it, on a corpus masked as training masks
-it (seed 42, epoch 0), against the share of masked positions that are whole-word tokens at all, side by side.
+"""HC's reach: the share of masked positions that are words of their own with synonyms (the gold token has a row in the
+table and the next original token does not continue its word), as training's `hc_reach` counts it, on a corpus
+masked as training masks it (seed 42, epoch 0), against the share of masked positions that are whole-word tokens at
+all, side by side.
 bert-base-uncased's WordPiece by default; `--bpe-vocab N`: a byte-level BPE of N tokens (RoBERTa's kind) trained on
 the same text here (nothing is downloaded), with the WordNet table built for it.
 

@@ -11,7 +11,7 @@
 #     saved its last step; the same command again resumes phase 1, or skips it when finished).
 #   Phase 1: OUTPUT (its folder), DATA (its corpus, at seq 128), STEPS, CONFIG, KEEP.
 #   Phase 2: OUTPUT2 (its own folder: phase 1's is only read), DATA2 (its corpus, at seq 512), STEPS2, CONFIG2,
-#     KEEP2. Extra flags go to both phases.
+#     KEEP2. Extra flags go to both phases (steps: STEPS and STEPS2, which PHASE=all's check of phase 1's end reads).
 #   OUTPUT=/shared/runs/bl DATA=/shared/wiki-128 OUTPUT2=/shared/runs/bl-512 DATA2=/shared/wiki-512 PHASE=all \
 #     HC=wordnet SR=word launch/bert_large_scratch.sh [extra flags]
 [ -f "$(dirname "$0")/common.sh" ] || { echo "truneg: error: $0 has no common.sh beside it: run the script where it lies in the repo (sbatch runs a copy: sbatch --wrap 'bash REPO/launch/SCRIPT.sh')" >&2; exit 2; }

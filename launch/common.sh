@@ -94,7 +94,7 @@ recipe_flags() {  # recipe_flags MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS
 }
 
 pretrain() {  # pretrain MODEL SEQ_LEN CONFIG STEPS SAVE_STEPS LOG_STEPS [more flags]: a recipe's run
-  recipe_flags "$@"
+  recipe_flags "$@" || return
   launch "${flags[@]}"
 }
 
@@ -118,7 +118,7 @@ preflight() {  # preflight FLAGS: `truneg preflight` of pretrain.py's flags (PRE
 }
 
 launch() {  # launch FLAGS: the preflight, then deepspeed; WAIT=1 returns its status (a phase before another)
-  preflight "$@"
+  preflight "$@" || return  # (called in `||`, as WAIT=1's caller does, set -e stops nothing inside)
   if [ "${WAIT:-0}" = 1 ]; then
     "$DEEPSPEED" ${hosts[@]+"${hosts[@]}"} ${launcher_args[@]+"${launcher_args[@]}"} "$REPO/truneg/pretrain.py" "$@"
     return

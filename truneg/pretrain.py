@@ -44,10 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     # 4. The model; then claim the output folder for this run (refuse to mix two runs in one folder).
     #    A hub name in --init-from is resolved by rank 0 first, then at its commit by each other node's local
     #    rank 0 (downloading what that node's HF cache lacks), then read from the node's cache by the others.
-    #    HC's reach is counted with the HC table, or without HC with the eval's.
     init = build.locate_init(cfg)
-    reach_table = start.table or heldout.eval_table(start.tokenizer, cfg.eval_synonyms)
-    model = build.build_model(cfg, start.table, vocab_size=len(start.tokenizer), init=init, reach_table=reach_table)
+    model = build.build_model(cfg, start.table, vocab_size=len(start.tokenizer), init=init,
+                              reach_table=start.reach_table)
     identity = run_dir.run_identity(cfg, start.ds_config, {"architecture": architecture(model),
                                                            "synonym_table": build.table_fingerprint(start.table),
                                                            **data_record, **build.init_record(init),

@@ -487,12 +487,12 @@ def test_bert_large_scratch_runs_phase_2_only_after_a_finished_phase_1(tmp_path)
     stub.chmod(0o755)
     python = tmp_path / "python"  # the preflight, recorded in the same log
     python.write_text(f'#!/bin/sh\nif [ "$2" = truneg.cluster.preflight ]; then echo "PREFLIGHT $*" >> "$LOG"; '
-                      f'exit 0; fi\nexec {sys.executable} "$@"\n')
+                      f'case "$*" in *"--seq-len $REFUSE "*) exit 2;; esac; exit 0; fi\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "DS_ENV_FILE"))},
            "DEEPSPEED": str(stub), "PYTHON": str(python), "HOSTFILE": "local", "LOG": str(log), "OUTPUT": str(out),
            "DATA": str(tmp_path / "c128"), "OUTPUT2": str(out2), "DATA2": str(tmp_path / "c512"), "STEPS": "3",
-           "PHASE": "all", "RC": "0", "FINISH": "1", "HOME": str(tmp_path)}
+           "PHASE": "all", "RC": "0", "FINISH": "1", "HOME": str(tmp_path), "REFUSE": "none"}
 
     def launch(**extra):
         log.unlink(missing_ok=True)
@@ -506,6 +506,9 @@ def test_bert_large_scratch_runs_phase_2_only_after_a_finished_phase_1(tmp_path)
         assert lines[0].startswith("PREFLIGHT") and "--seq-len 512" in lines[0] and "--seq-len 128" in lines[1]
         assert lines[2].startswith("DEEPSPEED") and "--seq-len 128" in lines[2]
     assert "phase 1 stopped before its last step (global_step3)" in proc.stderr
+    for refused in ("512", "128"):  # a preflight that refuses either phase launches nothing
+        proc, lines = launch(REFUSE=refused)
+        assert proc.returncode == 2 and not any(line.startswith("DEEPSPEED") for line in lines), (refused, lines)
     proc, lines = launch()
     assert proc.returncode == 0 and [line.split()[0] for line in lines] == ["PREFLIGHT"] * 2 + [
         "DEEPSPEED", "PREFLIGHT", "DEEPSPEED"], (proc.stderr, lines)

@@ -273,6 +273,17 @@ def test_whole_word_masking_takes_whole_words_up_to_the_count(tokenizer, novel_r
     assert all(torch.equal(again[k], batch[k][5:9]) for k in again)
 
 
+def test_whole_word_masking_of_a_row_with_nothing_maskable_masks_nothing(tokenizer):
+    from truneg.synonyms.table import continuing_pieces
+
+    rows = np.full((1, 8), tokenizer.pad_token_id)
+    rows[0, 0], rows[0, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
+    continues = continuing_pieces(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    batch = mask_tokens(rows, tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer), "bert", 0, 0,
+                        np.arange(1), 4, word_continues=continues)
+    assert not batch["masked_valid"].any() and batch["masked_target"].tolist() == [0]
+
+
 def vocab_of(vocab: list[str], ids: list[int]) -> list[str]:
     return [vocab[i] for i in ids]
 

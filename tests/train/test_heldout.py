@@ -17,6 +17,7 @@ from sklearn.metrics import accuracy_score, precision_score, recall_score, roc_a
 from truneg.data.blocks import load_tokenizer
 from truneg.data.masking import default_max_predictions, mask_tokens
 from truneg.model import pretrainers as models
+from truneg.train.build import wordnet_table
 from truneg.train.heldout import (
     EVAL_SEED,
     HeldOut,
@@ -25,7 +26,6 @@ from truneg.train.heldout import (
     metrics_of,
     roc_auc,
     sample_with,
-    wordnet_table,
 )
 
 SEQ_LEN, COUNT, MICRO = 32, 37, 4

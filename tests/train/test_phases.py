@@ -246,6 +246,7 @@ def test_reset_optimizer_keeps_the_masters_and_empties_the_moments(world_of_one,
     from deepspeed.utils import safe_get_full_fp32_param
 
     from truneg.pretrain import main
+    from truneg.train import loop
     from truneg.train.loop import innermost_optimizer
 
     monkeypatch.setenv("TRUNEG_CACHE", str(tmp_path / "cache"))
@@ -258,8 +259,8 @@ def test_reset_optimizer_keeps_the_masters_and_empties_the_moments(world_of_one,
               str(small_corpus), "--seq-len", "64", "--micro-batch-size", "4", "--max-steps", "2", "--save-steps", "2",
               "--output-dir", str(phase1), "--hc", "wordnet", "--sr", "word", "--lr", "2e-3"])
     before, out = listing(phase1), tmp_path / "phase2"
-    engine, _ = phase2_in_process(phase2_args(phase1, out, small_corpus, phase2_config(tmp_path, stage),
-                                              "--reset-optimizer"))
+    engine, state = phase2_in_process(phase2_args(phase1, out, small_corpus, phase2_config(tmp_path, stage),
+                                                  "--reset-optimizer"))
     try:
         inner = innermost_optimizer(engine)
         assert len(inner.state) == 0 and all("step" not in group for group in inner.param_groups)
@@ -267,15 +268,19 @@ def test_reset_optimizer_keeps_the_masters_and_empties_the_moments(world_of_one,
         assert inner.param_groups[0]["betas"] == tuple(PHASE2_ADAM["betas"])
         if stage == 0:  # the module's fp32 weights are the masters
             saved = torch.load(phase1 / "checkpoints" / tag / "mp_rank_00_model_states.pt", weights_only=False)
-            state = engine.module.state_dict()
-            assert all(torch.equal(state[name], weights) for name, weights in saved["module"].items())
+            weights_now = engine.module.state_dict()
+            assert all(torch.equal(weights_now[name], weights) for name, weights in saved["module"].items())
         else:
             reference = universal(phase1 / "checkpoints", tag, tmp_path / "reference")
             for name, param in engine.module.named_parameters():
                 got = safe_get_full_fp32_param(param)
                 assert torch.equal(got, reference_state(reference, name, "fp32").view_as(got)), name
-        assert (out / "phase1" / f"{tag}_universal").is_dir() == (phase1_ranks == 2)  # under phase 2's folder
+        assert any((out / "phase1").glob(f"*/{tag}_universal")) == (phase1_ranks == 2)  # under phase 2's folder
         assert listing(phase1) == before
+        # the emptied optimizer takes its first step as a fresh one does: moments and a step count of 1
+        stop, guard = loop.StopSignal(), loop.SkipGuard(engine)
+        loop.train_step(engine, state, stop, guard, set())
+        assert inner.state and {float(s["step"]) for s in inner.state.values()} == {1.0}
     finally:
         engine.destroy()
 
@@ -340,3 +345,40 @@ def test_phase_2_refuses_what_it_cannot_start_from_in_one_line(world_of_one, run
 
 if __name__ == "__main__":
     run_rank(Path(sys.argv[1]), sys.argv[2:])
+
+
+def test_the_phase_1_tag_phase_2_records_holds_on_a_restart_not_afresh_and_is_all_a_resume_needs(tmp_path):
+    from truneg.errors import UserError
+    from truneg.train.checkpointing import phases
+
+    phase1, out = tmp_path / "phase1", tmp_path / "phase2"
+    for step in (16, 24):
+        (phase1 / "checkpoints" / f"global_step{step}").mkdir(parents=True)
+        meta = {"step": step, "world_size": 2, "samples": 8 * step}
+        (phase1 / "checkpoints" / f"global_step{step}" / "truneg_meta.json").write_text(json.dumps(meta))
+    (phase1 / "checkpoints" / "latest").write_text("global_step24")
+    (phase1 / "run.json").write_text(json.dumps({"model": "bert-tiny"}))
+    assert phases.find_phase1(str(phase1), out).tag == "global_step24"  # a first start: phase 1's `latest`
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"phase1_checkpoint": str((phase1 / "checkpoints").resolve()),
+                                              "phase1_tag": "global_step16", "phase1_step": 16}))
+    assert phases.find_phase1(str(phase1), out).tag == "global_step16"  # a restart: the tag it started from
+    assert phases.find_phase1(str(phase1), out, pinned=False).tag == "global_step24"  # --overwrite, --resume none
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "latest").write_text("global_step20")  # phase 2 has saved
+    with pytest.raises(UserError, match="started from global_step16, not global_step24"):
+        phases.find_phase1(str(phase1 / "checkpoints" / "global_step24"), out)
+    shutil.rmtree(phase1 / "checkpoints" / "global_step16")  # phase 1 deleted it since: the record is enough
+    assert phases.find_phase1(str(phase1), out).step == 16
+    # a phase 1 that has not saved yet (PHASE=all checks phase 2 first): nothing to check against
+    (tmp_path / "new" / "checkpoints" / "hf_config").mkdir(parents=True)
+    assert not phases.started(str(tmp_path / "new")) and phases.started(str(phase1))
+
+
+def test_a_phase_2_is_a_bert_run_for_the_flag_checks():
+    from truneg.errors import UserError
+    from truneg.train.config.args import parse_args
+
+    assert parse_args(["--phase1-checkpoint", "p1", "--sr", "sent", "--sr-sent-target", "original"])
+    with pytest.raises(UserError, match="together at most 1"):  # BERT's 0.1 random share beside it
+        parse_args(["--phase1-checkpoint", "p1", "--mask-replace-prob", "0.95"])

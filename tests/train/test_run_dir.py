@@ -305,6 +305,10 @@ def test_the_masking_is_the_runs_and_a_record_without_it_still_resumes(tmp_path,
         other = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--output-dir", str(tmp_path), *flags]))
         with pytest.raises(UserError, match="holds another run's checkpoints"):
             claim_output_dir(other, identity(other, "t"), rank=0)
-    (tmp_path / RUN_FILE).write_text(json.dumps({k: v for k, v in record.items() if k != "masking"}))
-    claim_output_dir(cfg, identity(cfg, "t"), rank=0)  # written before the masking was recorded: the defaults
-    assert "predates the fields masking" in capsys.readouterr().out
+    older = {k: v for k, v in record.items() if k != "masking"}  # written before the masking was recorded
+    (tmp_path / RUN_FILE).write_text(json.dumps(older))
+    claim_output_dir(cfg, identity(cfg, "t"), rank=0)  # it masked with the defaults: resumed, and now recorded
+    assert json.loads((tmp_path / RUN_FILE).read_text())["masking"] == [0.15, 0.8, 0.1]
+    (tmp_path / RUN_FILE).write_text(json.dumps(older))
+    with pytest.raises(UserError, match="holds another run's checkpoints"):
+        claim_output_dir(other, identity(other, "t"), rank=0)  # not with another split

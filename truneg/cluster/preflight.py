@@ -137,9 +137,10 @@ def run(argv: list[str] | None = None) -> int:
         hosts = {}  # one machine: no node checks
     problems += argument_problems(args)
     phase1 = None
-    if args.phase1_checkpoint and Path(args.phase1_checkpoint).is_dir():  # (not yet there: PHASE=all's check first)
+    if args.phase1_checkpoint and phases.started(args.phase1_checkpoint):  # (none yet: PHASE=all's check first)
         try:
-            phase1 = phases.find_phase1(args.phase1_checkpoint, Path(args.output_dir))
+            afresh = args.overwrite or args.resume == "none"
+            phase1 = phases.find_phase1(args.phase1_checkpoint, Path(args.output_dir), pinned=not afresh)
             args.model = phases.adopt(RunConfig.from_args(args), phase1).model  # phase 1's preset sizes the run
         except UserError as err:
             problems.append(str(err))

@@ -129,6 +129,8 @@ def whole_word_positions(ids: np.ndarray, maskable: np.ndarray, word_continues: 
     starts = maskable & ~(word_continues[ids] & after_maskable)
     word = np.cumsum(starts) - 1  # each maskable position's word
     first = np.flatnonzero(starts)
+    if len(first) == 0:  # nothing maskable (a row of specials)
+        return first
     lengths = np.bincount(word[maskable], minlength=len(first))
     chosen, total = np.zeros(len(first), dtype=bool), 0
     for w in np.argsort(draw[first], kind="stable"):

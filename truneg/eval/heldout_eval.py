@@ -15,8 +15,9 @@ from truneg.data.blocks import open_training_blocks
 from truneg.errors import UserError
 from truneg.eval.checkpoints import checkpoints_tokenizer, discover_checkpoints, load_pretrainer, samples_of
 from truneg.model.pretrainers import BertPretrainer
+from truneg.train.build import eval_table
 from truneg.train.config.run_config import EVAL_MAX_SEQUENCES
-from truneg.train.heldout import HeldOut, eval_table, run_eval_table
+from truneg.train.heldout import HeldOut, run_eval_table
 from truneg.train.observe.records import console_line, dumps
 
 

@@ -109,8 +109,8 @@ class _Pretrainer(nn.Module):
 
     def reach_counts(self, gold: torch.Tensor, original_ids: torch.Tensor, positions: torch.Tensor,
                      valid: torch.Tensor) -> dict[str, torch.Tensor]:
-        """HC's reach over the masked slots: how many it can judge at all (`SynonymLookup.judgeable`), by the reach
-        table; nothing without one."""
+        """HC's reach over the masked slots: how many are words of their own with synonyms
+        (`SynonymLookup.judgeable`), by the reach table; nothing without one."""
         if self.reach_lookup is None:
             return {}
         following = original_ids.gather(1, (positions + 1).clamp(max=original_ids.shape[1] - 1))

@@ -248,7 +248,7 @@ class SynonymLookup(nn.Module):
         self.register_buffer("continues", torch.from_numpy(continues), persistent=False)
 
     def judgeable(self, gold: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
-        """Bool tensor shaped like `gold`: True where HC can judge a prediction of `gold` at all, i.e. `gold` has a
+        """Bool tensor shaped like `gold`: True where `gold` is a word of its own with synonyms (HC's reach): it has a
         row and the token after it (`following`, the original's) does not continue its word (a masked `run` of
         `running` is no word of its own: its synonyms would not be the word's)."""
         in_vocab = (gold >= 0) & (gold < self.vocab_size) & (following >= 0) & (following < self.vocab_size)

@@ -59,6 +59,7 @@ class Start:
     resume: checkpoint.ResumePoint | None  # this run's checkpoint, or (phase 2's start) the phase-1 tag
     prepared: Path | None = None  # the prepared folder of --train-data, on each node's local rank 0
     phase1: phases.Phase1 | None = None  # --phase1-checkpoint's
+    reach_table: SynonymTable | None = None  # the table HC's reach is counted with (reach_table)
 
 
 # DeepSpeed's fused optimizers, built just in time (and loaded under a lock) by the op of this name.
@@ -69,7 +70,9 @@ def checked_start(argv: list[str] | None = None) -> tuple[RunConfig, Start]:
     """Parse pretrain.py's arguments and run every check that needs no process group (see check_start)."""
     distributed.adopt_launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from mpirun/srun, before anything reads them
     cfg = RunConfig.from_args(parse_args(argv))
-    phase1 = phases.find_phase1(cfg.phase1_checkpoint, cfg.output_dir) if cfg.phase1_checkpoint else None
+    afresh = cfg.overwrite or cfg.resume == "none"  # (not from the tag a phase 2 there recorded)
+    phase1 = phases.find_phase1(cfg.phase1_checkpoint, cfg.output_dir, pinned=not afresh) \
+        if cfg.phase1_checkpoint else None
     if phase1 is not None:
         cfg = phases.adopt(cfg, phase1)
     start = check_start(cfg, distributed.launch_world_size(), phase1)
@@ -111,7 +114,7 @@ def check_start(cfg: RunConfig, world_size: int, phase1: phases.Phase1 | None = 
     prepared = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         prepared = ensure_prepared(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
-    return Start(ds_config, tokenizer, table, resume, prepared, phase1)
+    return Start(ds_config, tokenizer, table, resume, prepared, phase1, reach_table(cfg, tokenizer, table))
 
 
 def open_blocks(cfg: RunConfig, start: Start) -> tuple[PreparedBlocks, dict]:
@@ -153,6 +156,32 @@ def synonym_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Synonym
     if not cfg.hc.endswith(".npz"):
         raise UserError(f"--hc {cfg.hc!r}: use {', '.join(HC_SOURCES)} or a FILE.npz built by `truneg synonyms build`")
     return SynonymTable.load(cfg.hc, expect_tokens=tokens)
+
+
+def wordnet_table(tokenizer: PreTrainedTokenizerBase) -> SynonymTable:
+    """What Table 2 live counts with by default: the shipped WordNet table, or one built for another vocab."""
+    kind = tokenizer_kind(tokenizer)  # (one truneg cannot read: as WordPiece)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return wordnet_for_vocab(tokens, kind if kind in WORD_STARTS else "WordPiece")
+
+
+def eval_table(tokenizer: PreTrainedTokenizerBase, path: str | Path | None = None) -> SynonymTable:
+    """The one table every run's Table 2 live counts with, whatever its own HC table (so that a kNN run's ratios
+    compare with its baseline's): `path` (--eval-synonyms), else WordNet's."""
+    if path is None:
+        return wordnet_table(tokenizer)
+    return SynonymTable.load(path, expect_tokens=tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+
+
+def reach_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, table: SynonymTable | None) -> SynonymTable | None:
+    """The table HC's reach (`hc_reach`) is counted with: the HC table, or without HC the eval's; None (no `hc_reach`)
+    where that needs a WordNet that is not installed."""
+    if table is not None:
+        return table
+    try:
+        return eval_table(tokenizer, cfg.eval_synonyms)
+    except UserError:
+        return None
 
 
 def table_fingerprint(table: SynonymTable | None) -> str | None:

@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from truneg.data.blocks import PreparedBlocks, ensure_prepared, open_prepared, tokenizer_kind
+from truneg.data.blocks import PreparedBlocks, ensure_prepared, open_prepared
 from truneg.data.masking import default_max_predictions, mask_tokens
 from truneg.errors import UserError
 from truneg.model.objectives import false_negative_counts, hard_correction
 from truneg.model.pretrainers import BertPretrainer, bert_masked_logits, fill_masked, generator_masked_logits
-from truneg.synonyms.sources import wordnet_for_vocab
-from truneg.synonyms.table import WORD_STARTS, SynonymLookup, SynonymTable
-from truneg.train.build import Start, open_blocks
+from truneg.synonyms.table import SynonymLookup, SynonymTable
+from truneg.train.build import Start, eval_table, open_blocks
 from truneg.train.checkpointing.checkpoint import HF_CONFIG_DIR
 
 if TYPE_CHECKING:
@@ -45,21 +44,6 @@ EVAL_SEED = 0  # fn-stats' default seed: not --seed, so that runs of different s
 EVAL_SYNONYMS_FILE = "eval_synonyms.npz"  # --eval-synonyms' table, in checkpoints/hf_config/: `truneg eval`'s default
 _FIXED_POINT = 2.0**24  # a loss summed as integer multiples of 2^-24 in float64: exact, so in any order
 _SAMPLE_STREAM = 1  # numpy seed [seed, 0, index, 1]: a stream apart from the masks' [seed, epoch, index]
-
-
-def wordnet_table(tokenizer: PreTrainedTokenizerBase) -> SynonymTable:
-    """What Table 2 live counts with by default: the shipped WordNet table, or one built for another vocab."""
-    kind = tokenizer_kind(tokenizer)  # (one truneg cannot read: as WordPiece)
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return wordnet_for_vocab(tokens, kind if kind in WORD_STARTS else "WordPiece")
-
-
-def eval_table(tokenizer: PreTrainedTokenizerBase, path: str | Path | None = None) -> SynonymTable:
-    """The one table every run's Table 2 live counts with, whatever its own HC table (so that a kNN run's ratios
-    compare with its baseline's): `path` (--eval-synonyms), else WordNet's."""
-    if path is None:
-        return wordnet_table(tokenizer)
-    return SynonymTable.load(path, expect_tokens=tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
 
 
 def table_label(table: SynonymTable) -> str:

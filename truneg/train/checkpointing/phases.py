@@ -5,6 +5,7 @@ table). Phase 1's folder is only read: its universal form, for another world siz
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
 FLAG = "--phase1-checkpoint"
-UNIVERSAL_DIR = "phase1"  # under phase 2's --output-dir: the universal form of the phase-1 tag, on another world size
+UNIVERSAL_DIR = "phase1"  # under phase 2's --output-dir: the phase-1 tag's universal form (another world size)
 # The run record's fields naming the phase-1 checkpoint it started from: recorded, not compared (phase 1's `latest`
 # moving does not make phase 2's resume another run), and kept from phase 2's start.
 RECORD = ("phase1_tag", "phase1_step", "phase1_samples")
@@ -33,13 +34,15 @@ class Phase1:
     tag: str
     step: int
     samples: int | None
-    world_size: int
+    world_size: int | None  # (None: the tag is gone, and phase 2 resumes from its own checkpoint)
     record: dict  # phase 1's run.json
 
     def resume_point(self, output_dir: Path) -> checkpoint.ResumePoint:
-        """Loaded as a resume is, less its own state; its universal form goes under phase 2's `output_dir`."""
+        """Loaded as a resume is, less its own state; its universal form goes under phase 2's `output_dir`, in a folder
+        of this phase-1 run's own (a tag name alone could be another phase 1's)."""
+        run = hashlib.sha256(str(self.checkpoint_dir).encode()).hexdigest()[:12]
         return checkpoint.ResumePoint(self.checkpoint_dir, self.tag, self.world_size, phase1=True,
-                                      universal_dir=output_dir / UNIVERSAL_DIR)
+                                      universal_dir=output_dir / UNIVERSAL_DIR / run)
 
     def run_record(self) -> dict:
         return {"phase1_checkpoint": str(self.checkpoint_dir), "phase1_tag": self.tag, "phase1_step": self.step,
@@ -54,9 +57,20 @@ def _read_json(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def find_phase1(spec: str, output_dir: Path) -> Phase1:
+def started(spec: str) -> bool:
+    """Whether `--phase1-checkpoint spec` names a run with a checkpoint yet (PHASE=all checks phase 2 before it)."""
+    try:
+        checkpoint.resolve(spec)
+    except UserError:
+        return False
+    return True
+
+
+def find_phase1(spec: str, output_dir: Path, pinned: bool = True) -> Phase1:
     """`--phase1-checkpoint RUN | RUN/checkpoints | RUN/checkpoints/TAG` -> the phase-1 checkpoint. Without a tag, the
-    one phase 2's run.json recorded at its start (when it names this folder), else phase 1's `latest`."""
+    one phase 2's run.json recorded at its start (when it names this folder and `pinned`: not for a phase 2 started
+    afresh, --overwrite or --resume none), else phase 1's `latest`. A phase 2 that has saved resumes from its own
+    checkpoint and needs only the recorded step of the tag, which phase 1 may have deleted since."""
     path = Path(spec)
     if not path.is_dir():
         raise UserError(f"{FLAG} {spec}: no such folder; pass phase 1's --output-dir, its checkpoints folder or a tag")
@@ -66,17 +80,23 @@ def find_phase1(spec: str, output_dir: Path) -> Phase1:
         raise UserError(f"{FLAG} {spec} holds no complete checkpoint (no `latest`); pass a phase-1 run that saved "
                         "one") from None
     checkpoint_dir = checkpoint_dir.resolve()
-    recorded = _read_json(output_dir / RUN_FILE) or {}
-    if tag is None and recorded.get("phase1_checkpoint") == str(checkpoint_dir):
-        tag = recorded.get("phase1_tag")
-    tag = tag or checkpoint.latest_tag(checkpoint_dir)
-    meta = checkpoint.read_meta(checkpoint_dir, tag) if tag else None
-    if meta is None:
-        raise UserError(f"{FLAG} {spec}: {checkpoint_dir / str(tag)} is not a complete checkpoint (no META: its save "
-                        "was cut); pass a complete tag")
     if checkpoint_dir.parent == output_dir.resolve():
         raise UserError(f"{FLAG} {spec} is this --output-dir's own checkpoints: phase 2 needs a folder of its own, "
                         "which phase 1's is never written to; pass another --output-dir")
+    recorded = _read_json(output_dir / RUN_FILE) or {} if pinned else {}
+    if recorded.get("phase1_checkpoint") != str(checkpoint_dir):
+        recorded = {}
+    saved = (output_dir / CHECKPOINTS / "latest").is_file()
+    if tag is not None and recorded.get("phase1_tag") not in (None, tag) and saved:
+        raise UserError(f"{FLAG} {spec}: the phase 2 in {output_dir} started from {recorded['phase1_tag']}, not {tag}; "
+                        f"pass that tag (or none), or --overwrite to start phase 2 again from {tag}")
+    tag = tag or recorded.get("phase1_tag") or checkpoint.latest_tag(checkpoint_dir)
+    meta = checkpoint.read_meta(checkpoint_dir, tag) if tag else None
+    if meta is None and saved and isinstance(recorded.get("phase1_step"), int):  # resumed: the record is enough
+        meta = {"step": recorded["phase1_step"], "samples": recorded.get("phase1_samples"), "world_size": None}
+    if meta is None:
+        raise UserError(f"{FLAG} {spec}: {checkpoint_dir / str(tag)} is not a complete checkpoint (no META: its save "
+                        "was cut, or it was deleted); pass a complete tag")
     record = _read_json(checkpoint_dir.parent / RUN_FILE)
     if record is None:
         raise UserError(f"{FLAG} {spec}: {checkpoint_dir.parent / RUN_FILE} is missing or damaged, so phase 1's model, "
@@ -171,8 +191,9 @@ class Settings:
 
     def restore(self, engine: DeepSpeedEngine) -> None:
         groups = _chain(engine)[-1].param_groups
-        if len(groups) != len(self.groups):
-            raise UserError(f"phase 1's optimizer holds {len(groups)} parameter groups, phase 2's {len(self.groups)}")
+        if len(groups) != len(self.groups):  # (torch's own load refuses a phase 1 of another group count first)
+            raise UserError(f"the optimizer holds {len(groups)} parameter groups after phase 1's load, "
+                            f"{len(self.groups)} before it: start phase 2 with the truneg that wrote phase 1")
         for group, fresh in zip(groups, self.groups):
             group.update(fresh)
         for wrapper, clip in self.clipping:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from truneg.data.corpus import is_hf
+from truneg.data.masking import MASK_SCHEMES
 from truneg.errors import UserError
 from truneg.train.checkpointing import phases
 from truneg.train.checkpointing.checkpoint import complete_tags
@@ -48,7 +49,7 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
 
 # Fields added after runs were already recorded: a record without them is an older truneg's, resumed with a
 # warning rather than refused.
-LATER_FIELDS = ("max_predictions", "sr_sent_target", "architecture", "synonym_table", "data", "masking")
+LATER_FIELDS = ("max_predictions", "sr_sent_target", "architecture", "synonym_table", "data")
 
 
 # Fields that may hold a path, relative or not, as the command line gave it: the launch scripts make them
@@ -72,6 +73,9 @@ def _resolved(record: dict) -> dict:
 def _same_run(previous: dict | None, identity: dict) -> tuple[bool, list[str]]:
     if previous is None:
         return False, []
+    family = identity.get("architecture", {}).get("family")
+    if "masking" not in previous and family in MASK_SCHEMES:  # recorded before the flags: the family's default
+        previous = {**previous, "masking": list(MASK_SCHEMES[family])}
     missing = [k for k in LATER_FIELDS if k in identity and k not in previous]
     trimmed = {k: v for k, v in identity.items() if k not in missing}
     if identity.get("architecture", {}).get("family") == "electra":

@@ -164,6 +164,8 @@ def step_timeout_problem(seconds: float) -> str | None:
 def _is_electra_run(args: argparse.Namespace) -> bool:
     if getattr(args, "init_generator", None):
         return True
+    if getattr(args, "phase1_checkpoint", None):  # BERT's phase 2 (an ELECTRA phase 1 is refused at the start)
+        return False
     folder = folder_or_cached(args.init_from) if args.init_from else None
     if folder is not None:
         return is_electra_checkpoint(folder)

@@ -128,7 +128,7 @@ class MetricsLogger:
         record["mlm_accuracy"] = 1.0 - totals["mismatched"] / max(totals["masked"], 1.0)  # of the prediction HC judges
         if "mask_shortfall" in totals:  # --whole-word-masking: masked pieces short of the rate's count, per rank summed
             record["wwm_shortfall"] = int(totals["mask_shortfall"])
-        if "hc_judgeable" in totals:  # the share of masked positions HC can judge at all
+        if "hc_judgeable" in totals:  # the masked positions that are whole words with synonyms (HC's reach)
             record["hc_reach"] = totals["hc_judgeable"] / max(totals["masked"], 1.0)
         if "mlm_argmax_correct" in totals:  # ELECTRA's generator, as the official code logs it
             record["mlm_argmax_accuracy"] = totals["mlm_argmax_correct"] / max(totals["masked"], 1.0)
