@@ -221,16 +221,26 @@ def test_a_starts_first_interval_is_marked_and_left_out_of_the_throughput_curves
     assert not throughput & tags[8] and throughput <= tags[16] and "Train/Samples/warmup" not in tags[8]
 
 
-def test_a_relaunch_before_the_first_save_writes_its_step_0_evaluation_once(tmp_path):
+def test_a_relaunch_before_the_first_save_writes_its_step_0_evaluation_once(tmp_path, monkeypatch):
     """A run killed before its first checkpoint starts over: its step-0 evaluation, written again at 0 samples,
     replaces the killed run's in tensorboard and metrics.jsonl rather than doubling it."""
+    import itertools
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    # Event files are read in the order of their names: the second, then the process's writer count as a string. A
+    # relaunch is a new process, whose count starts again; in one process (this test, after others made writers) a
+    # count passing 9 -> 10 within a second would sort the relaunch's files first. Counted zero-padded here.
+    uids = itertools.count()
+    monkeypatch.setattr(event_file_writer._global_uid, "get", lambda: f"{next(uids):06d}")
 
     def relaunch(steps: int, samples: int) -> None:
         writer = SummaryWriter(log_dir=str(tmp_path / "tb"))
-        engine = SimpleNamespace(monitor=SimpleNamespace(tb_monitor=SimpleNamespace(summary_writer=writer),
-                                                         write_events=lambda events: [
-                                                             writer.add_scalar(*event) for event in events]))
+        monitor = SimpleNamespace(tb_monitor=SimpleNamespace(summary_writer=writer))
+        # as DeepSpeed's monitor writes: through the writer it holds now (drop_after reopens it)
+        monitor.write_events = lambda events: [monitor.tb_monitor.summary_writer.add_scalar(*e) for e in events]
+        engine = SimpleNamespace(monitor=monitor)
         metrics = MetricsLogger(engine=engine, output_dir=tmp_path, seq_len=8, rank=0)
         metrics.drop_after(steps, samples)
         metrics.write_eval({"step": 0, "samples": 0, "eval_mlm_loss": 5.0, "eval_seconds": 0.1})
