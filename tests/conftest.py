@@ -331,16 +331,22 @@ def start_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]],
     return procs
 
 
-def started_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]]) -> tuple[list[int], list[str]]:
-    """start_as_mpirun's ranks, run to their end. Returns their exit codes and outputs."""
-    procs = start_as_mpirun(launch_env, port, argv_of_rank)
+def finished(procs: list[subprocess.Popen], timeout: int = 300) -> list[str]:
+    """Each rank's process run to its end (their output from pipes); one that hung (waiting in a collective for
+    another) is killed, not left to outlive the test. Returns their outputs."""
     try:
-        outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    finally:  # a rank that hung must not outlive the test
+        return [proc.communicate(timeout=timeout)[0] for proc in procs]
+    finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def started_as_mpirun(launch_env: dict, port: int, argv_of_rank: list[list[str]]) -> tuple[list[int], list[str]]:
+    """start_as_mpirun's ranks, run to their end. Returns their exit codes and outputs."""
+    procs = start_as_mpirun(launch_env, port, argv_of_rank)
+    outputs = finished(procs)
     return [proc.returncode for proc in procs], outputs
 
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     #    rank 0 (downloading what that node's HF cache lacks), then read from the node's cache by the others.
     init = build.locate_init(cfg)
     model = build.build_model(cfg, start.table, vocab_size=len(start.tokenizer), init=init,
-                              reach_table=start.reach_table)
+                              reach_table=start.table or start.eval_table)
     identity = run_dir.run_identity(cfg, start.ds_config, {"architecture": architecture(model),
                                                            "synonym_table": build.table_fingerprint(start.table),
                                                            **data_record, **build.init_record(init),
@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     engine = build.build_engine(cfg, model, start.ds_config)
     if rank == 0:
         save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer, resumed=start.resume is not None)
-        heldout.save_eval_table(cfg, start.tokenizer)
+        heldout.save_eval_table(cfg, start)
 
     # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states (phase 2's start: the phase-1
     #    tag's weights, optimizer and counters, all else fresh).
     state = loop.start_state(cfg, engine, blocks, start.tokenizer, start.resume, tag, start.phase1)
     if eval_blocks is not None:
-        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer, start.table,
+        state.heldout = heldout.HeldOut.for_run(cfg, engine, eval_blocks, start.tokenizer, start.eval_table,
                                                 state.first_step)
 
     # 7. Train, log, checkpoint; stop cleanly on SIGTERM/SIGINT.

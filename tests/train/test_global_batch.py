@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import REPO, free_port
+from conftest import REPO, finished, free_port
 
 from truneg.data.masking import mask_tokens
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, parameter_groups
@@ -179,14 +179,7 @@ def test_two_ranks_give_the_global_batchs_gradient(tmp_path, launch_env):
     ranks = [subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(tmp_path)], env=env, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]
-    try:
-        outputs = [proc.communicate(timeout=300)[0] for proc in ranks]
-    finally:
-        for proc in ranks:  # a rank left waiting in a collective for the other
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, output in zip(ranks, outputs):
+    for proc, output in zip(ranks, finished(ranks)):
         assert proc.returncode == 0, output[-3000:]
     results = torch.load(tmp_path / "results.pt", weights_only=False)
     for stage, (grad, record) in results.items():

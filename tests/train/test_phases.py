@@ -17,6 +17,7 @@ from conftest import (
     REPO,
     comparable,
     deepspeed_cmd,
+    finished,
     free_port,
     kill_group,
     read_metrics,
@@ -128,13 +129,7 @@ def unbroken(runs, launch_env, small_corpus, tmp_path_factory):
     ranks = [subprocess.Popen([sys.executable, __file__, str(dump), *argv], cwd=REPO, text=True,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
-    try:
-        outputs = [proc.communicate(timeout=300)[0] for proc in ranks]
-    finally:
-        for proc in ranks:  # a rank left waiting in a collective for the other
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    outputs = finished(ranks)
     for proc, output in zip(ranks, outputs):
         assert proc.returncode == 0, output[-3000:]
     return phase1, out, torch.load(dump, weights_only=False), config, before, outputs[0]

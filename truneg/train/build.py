@@ -59,7 +59,7 @@ class Start:
     resume: checkpoint.ResumePoint | None  # this run's checkpoint, or (phase 2's start) the phase-1 tag
     prepared: Path | None = None  # the prepared folder of --train-data, on each node's local rank 0
     phase1: phases.Phase1 | None = None  # --phase1-checkpoint's
-    reach_table: SynonymTable | None = None  # the table HC's reach is counted with (reach_table)
+    eval_table: SynonymTable | None = None  # Table 2 live's, and HC's reach without HC (start_eval_table)
 
 
 # DeepSpeed's fused optimizers, built just in time (and loaded under a lock) by the op of this name.
@@ -114,7 +114,7 @@ def check_start(cfg: RunConfig, world_size: int, phase1: phases.Phase1 | None = 
     prepared = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         prepared = ensure_prepared(cfg.train_data, tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
-    return Start(ds_config, tokenizer, table, resume, prepared, phase1, reach_table(cfg, tokenizer, table))
+    return Start(ds_config, tokenizer, table, resume, prepared, phase1, start_eval_table(cfg, tokenizer, table))
 
 
 def open_blocks(cfg: RunConfig, start: Start) -> tuple[PreparedBlocks, dict]:
@@ -173,15 +173,21 @@ def eval_table(tokenizer: PreTrainedTokenizerBase, path: str | Path | None = Non
     return SynonymTable.load(path, expect_tokens=tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
 
 
-def reach_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, table: SynonymTable | None) -> SynonymTable | None:
-    """The table HC's reach (`hc_reach`) is counted with: the HC table, or without HC the eval's; None (no `hc_reach`)
-    where that needs a WordNet that is not installed."""
-    if table is not None:
+def start_eval_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase,
+                     table: SynonymTable | None) -> SynonymTable | None:
+    """The run's eval table, found once: what Table 2 live counts with (--eval-synonyms, else WordNet's: for a
+    `--hc wordnet` run the HC table it already built) and, without HC, what HC's reach is counted with. None where
+    neither needs one, or where only the reach would and WordNet is not installed (no `hc_reach` then)."""
+    if cfg.hc == "wordnet" and not cfg.eval_synonyms:
         return table
+    if not cfg.eval_data and table is not None:
+        return None
     try:
         return eval_table(tokenizer, cfg.eval_synonyms)
-    except UserError:
-        return None
+    except UserError as err:
+        if not cfg.eval_data:
+            return None
+        raise UserError(f"--eval-synonyms: {err}" if cfg.eval_synonyms else str(err)) from None
 
 
 def table_fingerprint(table: SynonymTable | None) -> str | None:

@@ -60,15 +60,10 @@ def run_eval_table(checkpoint_dir: Path, tokenizer: PreTrainedTokenizerBase) -> 
 
 def prepare_eval_data(cfg: RunConfig, start: Start, world_size: int) -> Path | None:
     """Before any process group, on each node's local rank 0: --eval-data prepared and cached as --train-data is,
-    and refused (one line) when it is missing, empty, or shorter than one micro-batch per rank, or --eval-synonyms
-    was built for another vocab."""
+    and refused (one line) when it is missing, empty, or shorter than one micro-batch per rank. (--eval-synonyms
+    was read, and checked against the vocab, by check_start: `start.eval_table`.)"""
     if not cfg.eval_data or int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return None
-    if cfg.eval_synonyms:
-        try:
-            eval_table(start.tokenizer, cfg.eval_synonyms)
-        except UserError as err:
-            raise UserError(f"--eval-synonyms: {err}") from None
     try:
         folder = ensure_prepared(cfg.eval_data, start.tokenizer, cfg.seq_len, cfg.cache_dir, cfg.num_proc)
         found = len(open_prepared(folder, start.tokenizer, cfg.seq_len))
@@ -88,11 +83,11 @@ def open_eval_blocks(cfg: RunConfig, start: Start, prepared: Path | None) -> Pre
     return open_blocks(replace(cfg, train_data=cfg.eval_data), replace(start, prepared=prepared))[0]
 
 
-def save_eval_table(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+def save_eval_table(cfg: RunConfig, start: Start) -> None:
     """Rank 0: --eval-synonyms' table beside the run's configs, so that `truneg eval` of its checkpoints counts
     offline with the table the live ratios used (WordNet's, without the flag, is its default anyway)."""
     if cfg.eval_data and cfg.eval_synonyms:
-        eval_table(tokenizer, cfg.eval_synonyms).save(cfg.checkpoint_dir / HF_CONFIG_DIR / EVAL_SYNONYMS_FILE)
+        start.eval_table.save(cfg.checkpoint_dir / HF_CONFIG_DIR / EVAL_SYNONYMS_FILE)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -247,12 +242,9 @@ class HeldOut:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, engine: DeepSpeedEngine, blocks: PreparedBlocks,
-                tokenizer: PreTrainedTokenizerBase, hc_table: SynonymTable | None, first_step: int = 0) -> HeldOut:
-        """A run's evaluation: its micro-batch shape and rank, and the one eval table (not the run's HC table, but
-        for a `--hc wordnet` run the table it already built: WordNet's, built anew for a vocab not shipped).
-        `first_step`: where this phase's --max-steps count from (phase 2's: phase 1's last)."""
-        same = cfg.hc == "wordnet" and not cfg.eval_synonyms
-        table = hc_table if same else eval_table(tokenizer, cfg.eval_synonyms)
+                tokenizer: PreTrainedTokenizerBase, table: SynonymTable, first_step: int = 0) -> HeldOut:
+        """A run's evaluation: its micro-batch shape and rank, and the one eval table (build.start_eval_table's, not
+        the run's HC table). `first_step`: where this phase's --max-steps count from (phase 2's: phase 1's last)."""
         heldout = cls(blocks, tokenizer, engine.module.scheme, cfg.eval_max_sequences,
                       engine.train_micro_batch_size_per_gpu(), table, engine.device, dist.get_rank(),
                       dist.get_world_size())
