@@ -6,7 +6,7 @@ bert-base-uncased's WordPiece by default; `--bpe-vocab N`: a byte-level BPE of N
 the same text here (nothing is downloaded), with the WordNet table built for it.
 
     python bench/hc_reach.py [--data ../shared/data/wikitext-2-raw/wiki.valid.raw] [--seq-len 128]
-        [--mlm-probability 0.15] [--whole-word-masking | --bpe-vocab 30000] [--table FILE.npz]
+        [--mlm-probability 0.15] [--whole-word-masking] [--bpe-vocab 30000] [--table FILE.npz]
 RESULT hc_reach=<share> whole_words=<share> masked=<positions>
 """
 from __future__ import annotations
@@ -22,8 +22,9 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from truneg.data.blocks import load_tokenizer, open_training_blocks, tokenizer_kind  # noqa: E402
+from truneg.data.blocks import load_tokenizer, open_training_blocks  # noqa: E402
 from truneg.data.masking import default_max_predictions, mask_scheme, mask_tokens  # noqa: E402
+from truneg.data.words import tokenizer_kind  # noqa: E402
 from truneg.synonyms.sources import wordnet_for_vocab  # noqa: E402
 from truneg.synonyms.table import (  # noqa: E402
     SynonymLookup,
@@ -71,9 +72,13 @@ def main() -> None:
         judged = whole_words = masked = 0
         for start in range(0, len(blocks), 256):
             indices = np.arange(start, min(start + 256, len(blocks)))
+            # whole words as training takes them: WordPiece's by `##`, a BPE's by the starts its preparation stored
+            by_pieces = args.whole_word_masking and kind == "WordPiece"
+            by_starts = args.whole_word_masking and kind != "WordPiece"
             batch = mask_tokens(blocks[indices], tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
                                 mask_scheme("bert", args.mlm_probability), 42, 0, indices, slots,
-                                continuing_pieces(tokens) if args.whole_word_masking else None)
+                                continuing_pieces(tokens) if by_pieces else None,
+                                blocks.word_starts(indices) if by_starts else None)
             original, positions, valid = batch["original_ids"], batch["masked_positions"], batch["masked_valid"]
             gold = original.gather(1, positions)
             following = original.gather(1, (positions + 1).clamp(max=original.shape[1] - 1))

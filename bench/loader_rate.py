@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from truneg.data.blocks import DEMO_CORPUS, ResumableSampler, load_tokenizer  # noqa: E402
+from truneg.data.encoding import pack_blocks  # noqa: E402
 from truneg.data.masking import MaskedBatches, default_max_predictions  # noqa: E402
-from truneg.data.prepare import pack_blocks  # noqa: E402
 from truneg.train.observe.flops import dense_peak_tflops, preset_train_flops  # noqa: E402
 
 SEQ_LEN = 128

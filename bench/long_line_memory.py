@@ -1,5 +1,5 @@
 """Peak memory of tokenizing one very long line (a whole book on one line), as `truneg prepare` does it
-(`prepare.encode`: slices of at most corpus.SLICE_CHARS characters) against the tokenizer given the whole line
+(`encoding.encode`: slices of at most corpus.SLICE_CHARS characters) against the tokenizer given the whole line
 at once, each in a fresh process (peak RSS, Linux), side by side in one run, on the shared British novels.
 
     OMP_NUM_THREADS=1 python bench/long_line_memory.py [--mb 20]
@@ -32,7 +32,7 @@ def measure(how: str, megabytes: int) -> dict:
 
     import numpy as np
 
-    from truneg.data import prepare
+    from truneg.data import encoding
     from truneg.data.blocks import load_tokenizer
 
     backend = load_tokenizer().backend_tokenizer
@@ -45,7 +45,7 @@ def measure(how: str, megabytes: int) -> dict:
     if how == "whole":
         ids = np.asarray(backend.encode_batch_fast([line], add_special_tokens=False)[0].ids, dtype=np.int64)
     else:
-        ids = prepare.encode(backend, [line], 0, rows_are_documents=False)
+        ids = encoding.encode(backend, [line], 0, rows_are_documents=False)
     grown = (_kib("VmHWM") - before) / 1024
     return {"mib": grown, "tokens": len(ids), "ids": hashlib.sha256(ids.tobytes()).hexdigest()}
 

@@ -38,7 +38,8 @@ def _synonyms_build(args) -> None:
 def _table_vocab(args) -> tuple[list[str], str, object]:
     """--vocab FILE (WordPiece) or --tokenizer DIR|NAME: its tokens as training lists them (`convert_ids_to_tokens` in
     id order: the table's vocab hash is over them), its kind, and its normaliser for TSV words (None: as written)."""
-    from truneg.data.blocks import load_tokenizer, tokenizer_kind
+    from truneg.data.blocks import load_tokenizer
+    from truneg.data.words import tokenizer_kind
     from truneg.synonyms import table as synonyms
 
     if args.vocab:

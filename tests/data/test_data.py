@@ -12,7 +12,7 @@ from truneg.data.blocks import (
     load_tokenizer,
     open_prepared,
 )
-from truneg.data.prepare import pack_blocks
+from truneg.data.encoding import pack_blocks
 from truneg.errors import UserError
 
 

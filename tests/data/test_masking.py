@@ -286,19 +286,3 @@ def test_whole_word_masking_of_a_row_with_nothing_maskable_masks_nothing(tokeniz
 
 def vocab_of(vocab: list[str], ids: list[int]) -> list[str]:
     return [vocab[i] for i in ids]
-
-
-def test_whole_word_masking_with_a_tokenizer_whose_word_starts_cannot_be_told_is_one_line(tmp_path):
-    from conftest import bpe_tokenizer
-
-    from truneg.errors import UserError
-    from truneg.train.build import check_start
-    from truneg.train.config.args import parse_args
-    from truneg.train.config.run_config import RunConfig
-
-    bpe_tokenizer(tmp_path / "bpe")
-    cfg = RunConfig.from_args(parse_args(["--model", "bert-tiny", "--tokenizer", str(tmp_path / "bpe"),
-                                          "--whole-word-masking", "--output-dir", str(tmp_path / "run")]))
-    with pytest.raises(UserError, match="--whole-word-masking: --tokenizer .* is byte-level BPE, whose word starts"):
-        check_start(cfg, 1)
-    assert not (tmp_path / "run").exists()

@@ -12,7 +12,7 @@ import pytest
 from conftest import framed_blocks
 
 from truneg import cli
-from truneg.data import prepare
+from truneg.data import encoding, prepare
 from truneg.data.blocks import load_tokenizer, open_prepared, open_training_blocks
 from truneg.errors import UserError
 
@@ -241,7 +241,7 @@ def test_a_line_or_row_longer_than_a_slice_reaches_the_tokenizer_in_slices_with_
     real_encode = backend.encode_batch_fast
     spy = type("Spy", (),
                {"encode_batch_fast": lambda self, batch, **kw: given.append(batch) or real_encode(batch, **kw)})()
-    lines = prepare.encode(spy, texts, sep, rows_are_documents=False)
+    lines = encoding.encode(spy, texts, sep, rows_are_documents=False)
     assert max(sum(map(len, batch)) for batch in given) <= 64 and len(given) > len(book) // 64
     slices = corpus.text_slices(book)
     assert "".join(slices) == book and all(len(s) <= 64 and s[0].isspace() for s in slices[1:])
@@ -249,13 +249,13 @@ def test_a_line_or_row_longer_than_a_slice_reaches_the_tokenizer_in_slices_with_
     # the long line's ids are the whole line's: cut before whitespace, WordPiece splits the same words
     assert lines.tolist() == whole("short line") + whole(book) + [sep] + whole("x" * 64) * 2 + whole("x" * 22) + \
         whole("another line")
-    rows = prepare.encode(spy, [book, "a row"], sep, rows_are_documents=True)  # one [SEP] a row, however sliced
+    rows = encoding.encode(spy, [book, "a row"], sep, rows_are_documents=True)  # one [SEP] a row, however sliced
     assert rows.tolist() == whole(book) + [sep] + whole("a row") + [sep]
     # rows keep their newlines; other scripts' spaces (U+3000) are whitespace to the tokenizer too
     for sep_char in ("\n", "\u3000"):
         text = sep_char.join(f"primary{i} road" for i in range(30))
         assert all(s[0] == sep_char or s[0] == " " for s in corpus.text_slices(text)[1:])
-        assert prepare.encode(spy, [text], sep, rows_are_documents=True).tolist() == whole(text) + [sep]
+        assert encoding.encode(spy, [text], sep, rows_are_documents=True).tolist() == whole(text) + [sep]
 
 
 def test_hf_sources_from_the_command_line(tmp_path, tokenizer):

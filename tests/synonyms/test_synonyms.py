@@ -314,7 +314,7 @@ def test_a_byte_level_bpe_vocabs_table_holds_its_word_start_tokens_only(tmp_path
 
     from conftest import bpe_tokenizer
 
-    from truneg.data.blocks import tokenizer_kind
+    from truneg.data.words import tokenizer_kind
     from truneg.train.build import synonym_table
 
     loaded = bpe_tokenizer(tmp_path / "bpe")

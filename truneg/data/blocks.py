@@ -7,7 +7,6 @@ pure function of (seed, epoch), so it is identical after a resume and does not d
 from __future__ import annotations
 
 import glob
-import json
 import os
 import resource
 import shutil
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from truneg.data import prepare as prep
+from truneg.data import words
 from truneg.errors import UserError
 
 if TYPE_CHECKING:
@@ -48,27 +48,6 @@ def load_tokenizer(name_or_dir: str | Path = DEFAULT_TOKENIZER) -> PreTrainedTok
         raise UserError(f"cannot load tokenizer {name_or_dir} ({err}); pass a folder with vocab.txt") from None
 
 
-# The tokenizer kinds truneg tells apart, by how they mark words: WordPiece (BERT's, ELECTRA's) marks the pieces that
-# continue a word (`##`), byte-level BPE (RoBERTa's, GPT-2's) the tokens that start one (`Ġ`), and SentencePiece's
-# Metaspace (XLM-R's, T5's) too (`▁`).
-PRE_TOKENIZER_KINDS = {"ByteLevel": "byte-level BPE", "Metaspace": "SentencePiece"}
-
-
-def tokenizer_kind(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """"WordPiece", "byte-level BPE" or "SentencePiece", read from the fast tokenizer's backend (its model, else its
-    pre-tokenizer); the backend model's name for another kind; None for a tokenizer without a backend."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    model = type(backend.model).__name__
-    if model == "WordPiece":
-        return model
-    spec = json.loads(backend.to_str()).get("pre_tokenizer") or {}
-    parts = spec.get("pretokenizers", [spec]) if spec.get("type") == "Sequence" else [spec]
-    kinds = [PRE_TOKENIZER_KINDS[p["type"]] for p in parts if p.get("type") in PRE_TOKENIZER_KINDS]
-    return kinds[0] if kinds else model
-
-
 # ---------------------------------------------------------------------------------------------------
 # Prepared folders
 # ---------------------------------------------------------------------------------------------------
@@ -89,33 +68,36 @@ def _allow_open_files(needed: int) -> None:
 
 class PreparedBlocks:
     """The blocks of a prepared folder: the union of its memory-mapped shards, indexed like one
-    [n, seq_len] array (`blocks[indices]` -> int32 rows; a sorted index array reads each shard in order)."""
+    [n, seq_len] array (`blocks[indices]` -> int32 rows; a sorted index array reads each shard in order).
+    A folder of format 2 prepared with a byte-level BPE or SentencePiece tokenizer also holds each token's
+    word-start bit (`word_starts(indices)`, truneg/data/words.py)."""
 
     def __init__(self, folder: Path, index: dict):
         self.folder, self.index, self.fingerprint = folder, index, index["fingerprint"]
         self.seq_len, dtype = index["seq_len"], np.dtype(index["dtype"])
+        self.has_word_starts = bool(index.get("word_starts"))
         for shard in index["shards"]:
-            path = folder / shard["file"]
-            expect = shard["blocks"] * self.seq_len * dtype.itemsize
-            size = path.stat().st_size if path.is_file() else None
-            if size != expect:
-                state = "missing" if size is None else f"{size} bytes, {expect} expected: truncated or replaced"
-                raise UserError(f"shard {path} is {state}; run the same `truneg prepare` again into a new --out")
+            _check_size(folder / shard["file"], shard["blocks"] * self.seq_len * dtype.itemsize)
+            if self.has_word_starts:
+                _check_size(folder / shard["starts"], shard["blocks"] * words.packed_width(self.seq_len))
         self._map_shards()
 
     def _map_shards(self) -> None:
         """Each mapping holds an open file: a corpus at the paper's scale has thousands of shards, past the
         usual soft limit of 1024 open files, so the soft limit is raised to the hard one where they need it."""
         dtype, shards = np.dtype(self.index["dtype"]), [s for s in self.index["shards"] if s["blocks"]]
-        _allow_open_files(len(shards))
+        _allow_open_files(len(shards) * (2 if self.has_word_starts else 1))
         self._shards = [np.memmap(self.folder / s["file"], dtype=dtype, mode="r", shape=(s["blocks"], self.seq_len))
                         for s in shards]
+        width = words.packed_width(self.seq_len)
+        self._starts = [np.memmap(self.folder / s["starts"], dtype=np.uint8, mode="r", shape=(s["blocks"], width))
+                        for s in shards] if self.has_word_starts else []
         self._offsets = np.concatenate([[0], np.cumsum([s["blocks"] for s in shards])]).astype(np.int64)
 
     # A DataLoader worker started by spawn or forkserver (Python 3.14's default on Linux) gets the dataset
     # pickled, and a memmap pickles as all of its bytes: the worker maps the shards itself instead.
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_shards", "_offsets")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_shards", "_starts", "_offsets")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -134,16 +116,35 @@ class PreparedBlocks:
             return rows[key[1:]] if rows.ndim == 1 else rows[(slice(None), *key[1:])]
         if isinstance(key, (int, np.integer)):
             return self[np.array([key])][0]
+        return self._gather(self._shards, key, self.seq_len, np.int32)
+
+    def word_starts(self, indices) -> np.ndarray:
+        """[n, seq_len] bools: which tokens of blocks `indices` start a word (as prepared; the bits of [CLS]
+        and [SEP] are set, and mean nothing: specials are never masked)."""
+        if not self.has_word_starts:
+            raise UserError(f"{self.folder} holds no word starts (format {self.index.get('format')!r}, or a WordPiece "
+                            "tokenizer's); prepare the corpus again with `truneg prepare ... --out NEW_DIR`")
+        return words.unpack_starts(self._gather(self._starts, indices, words.packed_width(self.seq_len), np.uint8),
+                                   self.seq_len)
+
+    def _gather(self, maps: list[np.memmap], key, width: int, dtype: type) -> np.ndarray:
         indices = np.arange(len(self))[key] if isinstance(key, slice) else np.asarray(key, dtype=np.int64)
         if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"block index out of range for {len(self)} blocks")
         indices = np.where(indices < 0, indices + len(self), indices)
         shard_of = np.searchsorted(self._offsets, indices, side="right") - 1
-        rows = np.empty((len(indices), self.seq_len), dtype=np.int32)
+        rows = np.empty((len(indices), width), dtype=dtype)
         for s in np.unique(shard_of):
             at = shard_of == s
-            rows[at] = self._shards[s][indices[at] - self._offsets[s]]
+            rows[at] = maps[s][indices[at] - self._offsets[s]]
         return rows
+
+
+def _check_size(path: Path, expect: int) -> None:
+    size = path.stat().st_size if path.is_file() else None
+    if size != expect:
+        state = "missing" if size is None else f"{size} bytes, {expect} expected: truncated or replaced"
+        raise UserError(f"shard {path} is {state}; run the same `truneg prepare` again into a new --out")
 
 
 def is_prepared(path: str | Path) -> bool:
@@ -168,7 +169,7 @@ def open_prepared(folder: str | Path, tokenizer: PreTrainedTokenizerBase | None 
                             "again to finish it, or `truneg prepare --merge PART_DIRS... --out DIR` for parts")
         raise UserError(f"{folder} has no {prep.INDEX}: not a prepared folder; run `truneg prepare` into it")
     index = prep._read_json(folder / prep.INDEX)
-    if index.get("format") != prep.FORMAT:
+    if index.get("format") not in prep.READABLE_FORMATS:
         raise UserError(f"{folder} was prepared in format {index.get('format')!r}, not {prep.FORMAT!r}; prepare it "
                         "again")
     if seq_len is not None and index["seq_len"] != seq_len:
@@ -269,6 +270,33 @@ def open_training_blocks(train_data: str | Sequence[str], tokenizer: PreTrainedT
     ensure_prepared's cache_dir, num_proc and prepare."""
     blocks = open_prepared(ensure_prepared(train_data, tokenizer, seq_len, **where), tokenizer, seq_len)
     return blocks, blocks.fingerprint
+
+
+def whole_word_problem(tokenizer: PreTrainedTokenizerBase, name: str | None, train_data: str | Sequence[str],
+                       seq_len: int) -> str | None:
+    """Why --whole-word-masking cannot tell this run's word starts (one line), or None: a tokenizer of no kind truneg
+    reads words of, one whose pre-tokenizer does not split words, or a prepared folder of format 1 given with a
+    byte-level BPE or SentencePiece tokenizer (its word starts were not stored). A corpus given to training is
+    prepared in the current format, which stores them."""
+    kind = words.tokenizer_kind(tokenizer)
+    if kind == "WordPiece":
+        return None
+    if kind not in words.STORED_KINDS:
+        return (f"--whole-word-masking: --tokenizer {name} is {kind or 'of no kind truneg can read'}, whose word "
+                "starts truneg cannot tell (it reads WordPiece's `##`, and byte-level BPE's and SentencePiece's "
+                "words); drop the flag, or use a tokenizer of those kinds")
+    if not words.splits_words(tokenizer):
+        return (f"--whole-word-masking: --tokenizer {name} is {kind} whose pre-tokenizer does not split text into "
+                f"words (it makes one word of {words.PROBE_WORDS!r}), so truneg cannot tell its word starts; drop the "
+                "flag")
+    specs = [train_data] if isinstance(train_data, (str, Path)) else list(train_data)
+    if len(specs) == 1 and is_prepared(specs[0]):
+        index = prep._read_json(Path(specs[0]) / prep.INDEX)
+        if index.get("format") == prep.FORMAT_WITHOUT_STARTS:
+            return (f"--whole-word-masking: {specs[0]} was prepared in format {prep.FORMAT_WITHOUT_STARTS!r}, without "
+                    f"the word starts a {kind} tokenizer needs; prepare the corpus again into a new folder: truneg "
+                    f"prepare --train-data CORPUS --tokenizer {name} --seq-len {seq_len} --out NEW_DIR")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ def _run(args) -> None:
             return
     index = json.loads((Path(out) / preparation.INDEX).read_text(encoding="utf-8"))
     print(f"{out}: {index['blocks']} blocks of {index['seq_len']} ({index['tokens']} tokens, {index['dtype']}) "
-          f"in {len(index['shards'])} shards; fingerprint {index['fingerprint'][:16]}")
+          f"in {len(index['shards'])} shards{', with word starts' if index.get('word_starts') else ''}; "
+          f"fingerprint {index['fingerprint'][:16]}")
 
 
 def add_command(commands) -> None:

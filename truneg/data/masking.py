@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from truneg.data.words import tokenizer_kind
+from truneg.errors import UserError
 from truneg.synonyms.table import continuing_pieces
 
 MaskScheme = tuple[float, float, float]  # (selected share, of those -> [MASK], -> random token); the rest unchanged
@@ -67,12 +69,14 @@ def mask_tokens(
     indices: np.ndarray,
     max_predictions: int,
     word_continues: np.ndarray | None = None,
+    word_starts: np.ndarray | None = None,
 ) -> dict[str, torch.Tensor]:
     """Mask a [B, L] batch of token ids with `scheme` (a family's default by name, or `mask_scheme`'s shares). Returns
     int64 `input_ids` (masked), `original_ids`, `masked_positions` [B, P] and bool `masked_valid` [B, P], with
     P = max_predictions. Positions are sorted within a row. With `word_continues` (bool over the vocab: the pieces
-    that continue a word, WordPiece's `##`), whole words are masked (`whole_word_positions`), and the batch also
-    carries each row's target count, `masked_target` [B]."""
+    that continue a word, WordPiece's `##`) or `word_starts` (bool [B, L]: the tokens that start a word, as
+    `truneg prepare` stored them for byte-level BPE and SentencePiece), whole words are masked
+    (`whole_word_positions`), and the batch also carries each row's target count, `masked_target` [B]."""
     select_p, mask_p, random_p = MASK_SCHEMES[scheme] if isinstance(scheme, str) else scheme
     original = np.array(input_ids, dtype=np.int64)
     batch, length = original.shape
@@ -88,15 +92,17 @@ def mask_tokens(
     num_maskable = maskable.sum(axis=1)
     count = np.minimum(max_predictions, np.maximum(1, np.rint(select_p * num_maskable).astype(np.int64)))
     count = np.minimum(count, num_maskable)
-    if word_continues is None:
+    whole_words = word_continues is not None or word_starts is not None
+    if not whole_words:
         # A random order of the maskable positions (unmaskable ones last); the first `count` are selected.
         order = np.argsort(np.where(maskable, order_draw, 2.0), axis=1, kind="stable")[:, :max_predictions]
         valid = np.arange(max_predictions)[None, :] < count[:, None]
         positions = np.sort(np.where(valid, order, length), axis=1)  # sorted; padding (= length) last
     else:
+        continues = word_continues[original] if word_continues is not None else ~np.asarray(word_starts, dtype=bool)
         positions = np.full((batch, max_predictions), length, dtype=np.int64)
         for row in range(batch):
-            taken = whole_word_positions(original[row], maskable[row], word_continues, order_draw[row], count[row])
+            taken = whole_word_positions(maskable[row], continues[row], order_draw[row], count[row])
             positions[row, :len(taken)] = taken
     valid = positions < length
     positions = np.where(valid, positions, 0)
@@ -113,20 +119,19 @@ def mask_tokens(
         "masked_positions": torch.from_numpy(positions.astype(np.int64)),
         "masked_valid": torch.from_numpy(valid),
     }
-    if word_continues is not None:
+    if whole_words:
         masked["masked_target"] = torch.from_numpy(count.astype(np.int64))
     return masked
 
 
-def whole_word_positions(ids: np.ndarray, maskable: np.ndarray, word_continues: np.ndarray, draw: np.ndarray,
-                         target: int) -> np.ndarray:
-    """Whole-word masking of one row: its words (a maskable piece that does not continue one starts a word, and so
-    does the first piece after a special token: a word never spans one, and a word cut at the block's start or end is
-    the part inside it) taken in the order of their first piece's `draw`, each with all its pieces; a word that would
-    pass `target` pieces is skipped and the next one tried. Returns the positions, sorted: at most `target`, and
-    `target` unless no remaining word fits."""
+def whole_word_positions(maskable: np.ndarray, continues: np.ndarray, draw: np.ndarray, target: int) -> np.ndarray:
+    """Whole-word masking of one row: its words (a maskable piece that does not continue one, per the row's
+    `continues`, starts a word, and so does the first piece after a special token: a word never spans one, and a word
+    cut at the block's start or end is the part inside it) taken in the order of their first piece's `draw`, each
+    with all its pieces; a word that would pass `target` pieces is skipped and the next one tried. Returns the
+    positions, sorted: at most `target`, and `target` unless no remaining word fits."""
     after_maskable = np.concatenate([[False], maskable[:-1]])
-    starts = maskable & ~(word_continues[ids] & after_maskable)
+    starts = maskable & ~(continues & after_maskable)
     word = np.cumsum(starts) - 1  # each maskable position's word
     first = np.flatnonzero(starts)
     if len(first) == 0:  # nothing maskable (a row of specials)
@@ -156,18 +161,22 @@ class _MaskedMicroBatches(torch.utils.data.Dataset):
     """Reads one micro-batch of blocks and masks it: run in the DataLoader's workers."""
 
     def __init__(self, blocks, special_ids, mask_id: int, vocab_size: int, scheme: str | MaskScheme, seed: int,
-                 max_predictions: int, word_continues: np.ndarray | None = None):
+                 max_predictions: int, word_continues: np.ndarray | None = None, stored_starts: bool = False):
         self.blocks, self.special_ids, self.mask_id, self.vocab_size = blocks, special_ids, mask_id, vocab_size
         self.scheme, self.seed, self.max_predictions = scheme, seed, max_predictions
-        self.word_continues = word_continues
+        self.word_continues, self.stored_starts = word_continues, stored_starts
 
     def __getitem__(self, item):
         epoch, indices, position = item
         order = np.argsort(indices)  # sorted reads from the memory map, original order kept
         rows = np.empty((len(indices), self.blocks.shape[1]), dtype=np.int64)
         rows[order] = self.blocks[indices[order]]
+        starts = None
+        if self.stored_starts:
+            starts = np.empty(rows.shape, dtype=bool)
+            starts[order] = self.blocks.word_starts(indices[order])
         batch = mask_tokens(rows, self.special_ids, self.mask_id, self.vocab_size, self.scheme, self.seed, epoch,
-                            indices, self.max_predictions, self.word_continues)
+                            indices, self.max_predictions, self.word_continues, starts)
         return pack(batch), position
 
 
@@ -213,16 +222,23 @@ class MaskedBatches:
     or without workers; `position` is the sampler's state after the last batch handed out (not after what
     the workers read ahead), which is what a checkpoint stores. With a GPU `device` the batches come on it,
     copied from pinned memory: a copy from pageable memory would make the host wait for the GPU's queue to
-    drain first."""
+    drain first. `whole_words`: WordPiece's words by `##`; another kind's by the word starts stored in the prepared
+    `blocks` (PreparedBlocks.word_starts)."""
 
     def __init__(self, blocks, sampler, tokenizer, scheme: str | MaskScheme, seed: int, max_predictions: int,
                  workers: int = 0, device: torch.device | None = None, whole_words: bool = False):
         self.device = device if device is not None and device.type != "cpu" else None
         pin_memory = self.device is not None and self.device.type == "cuda"
+        continues, stored = None, False
+        if whole_words and tokenizer_kind(tokenizer) == "WordPiece":
+            continues = continuing_pieces(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+        elif whole_words:
+            if not getattr(blocks, "has_word_starts", False):
+                raise UserError("--whole-word-masking: the prepared blocks hold no word starts; prepare the corpus "
+                                "again with `truneg prepare ... --out NEW_DIR`")
+            stored = True
         dataset = _MaskedMicroBatches(blocks, sorted(tokenizer.all_special_ids), tokenizer.mask_token_id,
-                                      len(tokenizer), scheme, seed, max_predictions,
-                                      continuing_pieces(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-                                      if whole_words else None)
+                                      len(tokenizer), scheme, seed, max_predictions, continues, stored)
         self.position = sampler.state_dict()
         if workers > 0:
             loader = torch.utils.data.DataLoader(

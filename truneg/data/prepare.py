@@ -9,6 +9,8 @@ Layout of DIR:
 - `shards/NNNNNN.bin`: one per unit, raw [blocks, seq_len] ids (uint16 when the vocab fits), written to a
   temporary name and renamed; `shards/NNNNNN.json` beside it commits it (blocks, tokens, hashes). A
   killed preparation redoes only the units without a committed shard.
+- `shards/NNNNNN.starts` beside it, for a byte-level BPE or SentencePiece tokenizer: each token's word-start bit,
+  [blocks, ceil(seq_len / 8)] uint8 (np.packbits; the rule: truneg/data/words.py), for whole-word masking.
 - `part-I-of-N.json`: the shards of a finished part; `index.json`: the finished preparation (after a
   whole preparation, or `--merge` of all parts). A folder with `index.json` is a prepared folder.
 
@@ -25,7 +27,7 @@ import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from itertools import chain
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,13 +35,21 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from truneg.data import corpus
+from truneg.data import corpus, words
+from truneg.data.encoding import encode_words, pack_blocks
 from truneg.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-FORMAT = "truneg-prepared/1"
+# 2: word-start bits beside the shards (byte-level BPE and SentencePiece). A WordPiece folder, which needs none, stays
+# format 1, with its settings as they were: its preparations, cached or unfinished, go on as they are.
+FORMAT = "truneg-prepared/2"
+FORMAT_WITHOUT_STARTS = "truneg-prepared/1"
+READABLE_FORMATS = (FORMAT_WITHOUT_STARTS, FORMAT)
+# The data fingerprint names the ids, which format 2 left as they were: a folder prepared again in format 2 keeps
+# the fingerprint its runs recorded (the word starts are a function of the same text and tokenizer).
+IDS_LAYOUT = FORMAT_WITHOUT_STARTS
 INDEX, SETTINGS, SHARDS = "index.json", "prepare.json", "shards"
 
 
@@ -108,12 +118,13 @@ def plan(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase, se
         datasets_.append(source)
     for i, unit in enumerate(units):
         unit["index"] = i
-    vocab = len(tokenizer)
+    vocab, with_starts = len(tokenizer), words.stores_word_starts(tokenizer)
     settings = {
-        "format": FORMAT, "seq_len": seq_len, "dtype": ids_dtype(vocab), "vocab_size": vocab,
+        "format": FORMAT if with_starts else FORMAT_WITHOUT_STARTS, "seq_len": seq_len, "dtype": ids_dtype(vocab),
+        "vocab_size": vocab,
         "tokenizer": tokenizer_fingerprint(tokenizer), "tokenizer_probe": tokenizer_probe(tokenizer),
         "cls_id": tokenizer.cls_token_id,
-        "sep_id": tokenizer.sep_token_id, "sources": sources,
+        "sep_id": tokenizer.sep_token_id, **({"word_starts": True} if with_starts else {}), "sources": sources,
         "units": hashlib.sha256(json.dumps(units).encode()).hexdigest(), "num_units": len(units),
     }
     return settings, units, datasets_
@@ -137,47 +148,6 @@ def _init_worker(tokenizer_json: str, datasets_: list, one_thread: bool) -> None
     _WORKER.update(tokenizer=backend, datasets=datasets_)
 
 
-def encode(backend, texts: list[str], sep_id: int, rows_are_documents: bool) -> np.ndarray:
-    """The token stream of some lines (a blank one is a [SEP]) or rows (each followed by [SEP]). The tokenizer
-    gets at most about SLICE_CHARS characters at a time: a longer line or row in slices (corpus.text_slices)."""
-    ids: list[list[int]] = [[] for _ in texts]
-    batch: list[tuple[int, str]] = []
-    held = 0  # characters in the batch
-    for i, text in enumerate(texts):
-        for piece in corpus.text_slices(text):
-            if batch and held + len(piece) > corpus.SLICE_CHARS:
-                _encode_into(backend, batch, ids)
-                held = 0
-            batch.append((i, piece))
-            held += len(piece)
-    _encode_into(backend, batch, ids)
-    if rows_are_documents:
-        pieces = list(chain.from_iterable((row, (sep_id,)) for row in ids))
-    else:
-        pieces = [row if t.strip() else (sep_id,) for t, row in zip(texts, ids)]
-    count = sum(map(len, pieces))
-    return np.fromiter(chain.from_iterable(pieces), dtype=np.int64, count=count)
-
-
-def _encode_into(backend, batch: list[tuple[int, str]], ids: list[list[int]]) -> None:
-    """Tokenize a batch of (text index, slice) and append each slice's ids to its text's; empties the batch."""
-    for (i, _), encoding in zip(batch, backend.encode_batch_fast([t for _, t in batch], add_special_tokens=False)):
-        ids[i].extend(encoding.ids)
-    batch.clear()
-
-
-def pack_blocks(stream: np.ndarray, seq_len: int, cls_id: int, sep_id: int,
-                dtype: np.dtype | type = np.int32) -> tuple[np.ndarray, np.ndarray]:
-    """Cut a token stream into [n, seq_len] blocks framed by [CLS] .. [SEP]: the blocks, and the tail left over
-    (the next piece's start, or dropped at a unit's end)."""
-    body = seq_len - 2
-    n = len(stream) // body
-    blocks = np.empty((n, seq_len), dtype=dtype)
-    blocks[:, 0], blocks[:, -1] = cls_id, sep_id
-    blocks[:, 1:-1] = stream[: n * body].reshape(n, body)
-    return blocks, stream[n * body:]
-
-
 def _prepare_unit(job: dict) -> dict:
     """Tokenize and pack one unit into its shard; returns the shard's committed record."""
     unit, settings, folder = job["unit"], job["settings"], Path(job["folder"])
@@ -191,14 +161,18 @@ def _prepare_unit(job: dict) -> dict:
     else:
         pieces = corpus.iter_hf_unit(_WORKER["datasets"][unit["source"]], unit, source_digest)
     name = f"{unit['index']:06d}"
-    shard = folder / SHARDS / f"{name}.bin"
+    shard, starts_file = folder / SHARDS / f"{name}.bin", folder / SHARDS / f"{name}{words.STARTS_SUFFIX}"
     tmp = shard.with_name(f"{name}.bin.{os.getpid()}.tmp")
-    carry = np.empty(0, dtype=np.int64)
+    starts_tmp = starts_file.with_name(f"{starts_file.name}.{os.getpid()}.tmp")
+    with_starts = settings["word_starts"]  # (the worker's settings: `needed` in prepare)
+    carry, carry_starts = np.empty(0, dtype=np.int64), np.empty(0, dtype=bool)
     blocks = tokens = replaced = 0
-    with open(tmp, "wb") as fh:
+    with ExitStack() as files:
+        handles = [files.enter_context(open(path, "wb")) for path in ([tmp, starts_tmp] if with_starts else [tmp])]
+        fh = handles[0]
         for texts, bad in pieces:
             replaced += bad
-            ids = encode(backend, texts, settings["sep_id"], kind == "hf")
+            ids, starts = encode_words(backend, texts, settings["sep_id"], kind == "hf", with_starts)
             tokens += len(ids)
             out, carry = pack_blocks(np.concatenate([carry, ids]), seq_len, settings["cls_id"], settings["sep_id"],
                                      dtype)
@@ -206,12 +180,19 @@ def _prepare_unit(job: dict) -> dict:
             fh.write(data)
             shard_digest.update(data)
             blocks += len(out)
-        fh.flush()
-        os.fsync(fh.fileno())
+            if starts is not None:  # cut as the ids are; [CLS] and [SEP] set
+                bits, carry_starts = pack_blocks(np.concatenate([carry_starts, starts]), seq_len, True, True, bool)
+                handles[1].write(words.pack_starts(bits).tobytes())
+        for handle in handles:
+            handle.flush()
+            os.fsync(handle.fileno())
+    if with_starts:
+        starts_tmp.replace(starts_file)
     tmp.replace(shard)
     record = {"unit": unit["index"], "file": f"{SHARDS}/{name}.bin", "blocks": blocks, "tokens": tokens,
               "replaced_chars": replaced, "source_sha256": source_digest.hexdigest(),
-              "sha256": shard_digest.hexdigest(), "settings": settings["key"], "unit_spec": unit}
+              "sha256": shard_digest.hexdigest(), "settings": settings["key"], "unit_spec": unit,
+              **({"starts": f"{SHARDS}/{starts_file.name}"} if with_starts else {})}
     _write_json(shard.with_suffix(".json"), record)  # the commit point
     return record
 
@@ -231,6 +212,10 @@ def _committed(folder: Path, unit: dict, settings: dict, key: str) -> dict | Non
         return None
     if not shard.is_file() or shard.stat().st_size != size:
         return None
+    if settings.get("word_starts"):
+        starts = folder / record.get("starts", "")
+        if not starts.is_file() or starts.stat().st_size != record["blocks"] * words.packed_width(settings["seq_len"]):
+            return None
     return record
 
 
@@ -280,6 +265,7 @@ def prepare(train_data: str | Sequence[str], tokenizer: PreTrainedTokenizerBase,
     # What a worker needs of the settings, and their key (the whole settings list every source file: not sent
     # and hashed again for each unit)
     needed = {k: settings[k] for k in ("seq_len", "dtype", "cls_id", "sep_id")}
+    needed["word_starts"] = settings.get("word_starts", False)
     needed |= {"source_kinds": [source["kind"] for source in settings["sources"]], "key": key}
     jobs = [{"unit": u, "settings": needed, "folder": str(out)} for u in todo]
     # the CPUs this process may use (a scheduler's allotment), not the machine's
@@ -324,18 +310,22 @@ def write_index(out: Path, settings: dict, records: list[dict], base: Path) -> d
         raise UserError(f"the shards in {base} do not cover every unit of the corpus; prepare the missing parts")
     source = hashlib.sha256("".join(r["source_sha256"] for r in records).encode()).hexdigest()
     shards = [{"file": os.path.relpath(base / r["file"], out), "blocks": r["blocks"], "tokens": r["tokens"],
-               "sha256": r["sha256"]} for r in records]
+               "sha256": r["sha256"], **({"starts": os.path.relpath(base / r["starts"], out)} if "starts" in r else {})}
+              for r in records]
     total = sum(r["blocks"] for r in records)
     if total == 0:
         raise UserError(f"the corpus has {sum(r['tokens'] for r in records)} tokens, fewer than one block of "
                         f"--seq-len {settings['seq_len']}")
-    index = {"format": FORMAT, "seq_len": settings["seq_len"], "dtype": settings["dtype"],
+    # (the parts' format: parts prepared before format 2 merge into a folder of format 1)
+    index = {"format": settings["format"], "seq_len": settings["seq_len"], "dtype": settings["dtype"],
              "tokenizer": settings["tokenizer"], "source_fingerprint": source, "sources": settings["sources"],
              "blocks": total, "tokens": sum(r["tokens"] for r in records), "shards": shards}
     index["tokenizer_probe"] = settings["tokenizer_probe"]
+    if settings.get("word_starts"):
+        index["word_starts"] = True
     # The data's identity: its blocks, not the probe (a tokenizer check, which the index records beside it).
     index["fingerprint"] = hashlib.sha256(json.dumps(
-        [FORMAT, settings["seq_len"], settings["dtype"], settings["tokenizer"], source,
+        [IDS_LAYOUT, settings["seq_len"], settings["dtype"], settings["tokenizer"], source,
          [s["sha256"] for s in shards]]).encode()).hexdigest()
     target = out / INDEX
     if target.is_file() and _read_json(target).get("fingerprint") != index["fingerprint"]:
@@ -371,6 +361,8 @@ def merge(dirs: Sequence[str | Path], out: str | Path) -> Path:
             if not shard.is_file():
                 raise UserError(f"{shard} is missing; prepare part {p['part'][0]}/{count} again")
             records.append({**r, "file": os.path.relpath(shard.resolve(), out.resolve())})
+            if "starts" in r:
+                records[-1]["starts"] = os.path.relpath((d / r["starts"]).resolve(), out.resolve())
     if (out / SETTINGS).is_file() and _read_json(out / SETTINGS) != settings:
         raise UserError(f"{out} holds another preparation; choose another --out")
     write_index(out, settings, records, out)

@@ -23,7 +23,7 @@ from torch import nn
 from truneg.errors import UserError
 
 CONTINUATION = "##"  # WordPiece's mark of a piece that continues the word before it
-# Each tokenizer kind's mark of a token that starts a word (truneg.data.blocks.tokenizer_kind names the kinds):
+# Each tokenizer kind's mark of a token that starts a word (truneg.data.words.tokenizer_kind names the kinds):
 # WordPiece marks the continuing pieces instead, byte-level BPE and SentencePiece the starts.
 WORD_STARTS = {"WordPiece": "", "byte-level BPE": "\u0120", "SentencePiece": "\u2581"}  # Ġ, ▁
 SHIPPED_WORDNET_TABLE = Path(__file__).resolve().parents[1] / "assets" / "synonyms" / "wordnet_bert-base-uncased.npz"

@@ -11,7 +11,8 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from truneg.data.blocks import ensure_prepared, load_tokenizer, open_prepared, tokenizer_kind
+from truneg.data.blocks import ensure_prepared, load_tokenizer, open_prepared, whole_word_problem
+from truneg.data.words import tokenizer_kind
 from truneg.errors import UserError
 from truneg.model import hub
 from truneg.model.compile import compile_layers
@@ -104,10 +105,9 @@ def check_start(cfg: RunConfig, world_size: int, phase1: phases.Phase1 | None = 
     if jit_op and get_accelerator().device_name() != "cpu":
         distributed.refuse_stale_build_lock(jit_op)  # built on each node on first use, in its node-local folder
     tokenizer = load_tokenizer(cfg.tokenizer)
-    if cfg.whole_word_masking and (kind := tokenizer_kind(tokenizer)) != "WordPiece":
-        raise UserError(f"--whole-word-masking: --tokenizer {cfg.tokenizer} is {kind or 'of no kind truneg can read'}, "
-                        "whose word starts truneg cannot tell yet (WordPiece marks the pieces that continue a word); "
-                        "drop the flag, or use a WordPiece tokenizer")
+    if cfg.whole_word_masking and (problem := whole_word_problem(tokenizer, cfg.tokenizer, cfg.train_data,
+                                                                 cfg.seq_len)):
+        raise UserError(problem)
     table = synonym_table(cfg, tokenizer)
     if phase1 is not None and (problem := phases.config_problem(phase1, ds_config, table_fingerprint(table))):
         raise UserError(problem)

@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the share of the selected positions replaced by a random token (default: BERT 0.1, "
                              "ELECTRA 0); the rest stay unchanged")
     parser.add_argument("--whole-word-masking", action="store_true",
-                        help="mask whole words (every piece of a word selected; WordPiece tokenizers), as Google's "
+                        help="mask whole words (every piece of a word selected: WordPiece's `##`, or the words that "
+                             "`truneg prepare` stored for byte-level BPE and SentencePiece), as Google's "
                              "whole-word-masking BERTs; the count of masked pieces is the same")
     parser.add_argument("--max-predictions", type=int,
                         help="masked positions per sequence, at most (default: --mlm-probability of --seq-len rounded "
