@@ -508,3 +508,35 @@ def bpe_tokenizer(folder: Path):
     PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                             mask_token="<mask>").save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
+
+
+def roberta_folder(folder: Path, seed: int = 0, max_positions: int = 66):
+    """A tiny RoBERTa saved as the hub's roberta-base is: RobertaForMaskedLM's weights with a pooler beside them
+    (`roberta.pooler.`), its config, and a byte-level BPE of 1,000 tokens trained with `tokenizers` on the shipped
+    corpus (RoBERTa's special tokens: `<s>` 0, `<pad>` 1, `</s>` 2), loaded back through AutoTokenizer. Its positions
+    hold `max_positions - 2` tokens (RoBERTa's start past the padding index)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoTokenizer, RobertaConfig, RobertaForMaskedLM, RobertaModel, RobertaTokenizerFast
+
+    from truneg.data.blocks import DEMO_CORPUS
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    lines = next(DEMO_CORPUS.glob("*.txt")).read_text(encoding="utf-8").splitlines()
+    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=1000, special_tokens=["<s>", "<pad>", "</s>", "<unk>",
+                                                                                         "<mask>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    RobertaTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
+                         unk_token="<unk>", pad_token="<pad>", mask_token="<mask>").save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = RobertaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=max_positions, pad_token_id=1, bos_token_id=0,
+                           eos_token_id=2, type_vocab_size=1)
+    torch.manual_seed(seed)
+    mlm, pooler = RobertaForMaskedLM(config), RobertaModel(config).pooler
+    mlm.save_pretrained(folder, state_dict={**mlm.state_dict(),
+                                            **{f"roberta.pooler.{k}": v for k, v in pooler.state_dict().items()}})
+    return mlm, tokenizer

@@ -40,6 +40,7 @@ def predict_from_gold(patch: pytest.MonkeyPatch, predict) -> None:
     """Make the BERT head predict `predict(gold ids)` with certainty (argmax and sample alike): it reads the gold
     at the masked positions from the unmasked rows that masking is handed, captured here."""
     from truneg.data import masking
+    from truneg.model import families
     from truneg.train import heldout  # fn-stats' forward and masking are the live evaluation's
 
     real_mask, seen = masking.mask_tokens, {}
@@ -52,7 +53,7 @@ def predict_from_gold(patch: pytest.MonkeyPatch, predict) -> None:
         pred = predict(seen["original"].gather(1, positions))
         return 60.0 * torch.nn.functional.one_hot(pred, mlm.config.vocab_size).float()
 
-    patch.setattr(heldout, "bert_masked_logits", logits)
+    patch.setattr(families, "masked_logits", logits)
     patch.setattr(heldout, "mask_tokens", capturing_mask)
 
 

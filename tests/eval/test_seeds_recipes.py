@@ -104,8 +104,12 @@ def test_recipe_defaults_follow_electra_and_bert_by_size():
     bert = recipe_for("bert", 1024, "glue")
     assert (bert.lr, bert.layerwise_decay, bert.epochs, bert.batch_size) == (2e-5, 1.0, 3, 32)
     assert recipe_for("bert", 768, "squad").max_seq_len == 384
-    with pytest.raises(UserError, match="--recipe roberta"):
-        recipe_for("roberta", 768, "glue")
+    # RoBERTa's sweep point (its Table 10): lr 1e-5, batch 32, 10 epochs, warmup 6 %, no layer-wise decay
+    roberta = recipe_for("roberta", 1024, "glue")
+    assert (roberta.lr, roberta.layerwise_decay, roberta.epochs, roberta.batch_size, roberta.warmup_ratio) == (
+        1e-5, 1.0, 10, 32, 0.06)
+    with pytest.raises(UserError, match="--recipe deberta: choose auto, electra, bert or roberta"):
+        recipe_for("deberta", 768, "glue")
 
 
 def test_the_cli_takes_the_models_recipe_and_a_given_flag_wins(tmp_path, spy):

@@ -137,8 +137,9 @@ def test_a_checkpoint_of_a_model_type_truneg_does_not_build_is_refused_before_an
     real_init = PreTrainedModel.__init__
     monkeypatch.setattr(PreTrainedModel, "__init__", lambda self, *a, **k: (built.append(type(self).__name__),
                                                                              real_init(self, *a, **k))[1])
-    accepted = "truneg continues only model_type bert or electra"
-    with pytest.raises(UserError, match=rf"^--init-from {gpt2} holds a gpt2 model \(its config.json's model_type\); "
+    accepted = "truneg continues only model_type bert, electra, roberta or xlm-roberta"
+    with pytest.raises(UserError, match=rf"^--init-from {gpt2} holds a gpt2 model \(its config.json's model_type: a "
+                                        rf"causal LM, not a masked one\); "
                                         rf"{accepted} \("):
         build_pretrainer(None, ObjectiveConfig(), init_from=gpt2)
     assert built == []  # not a BertForMaskedLM of default sizes, then "lacks 204 weights"
@@ -147,8 +148,9 @@ def test_a_checkpoint_of_a_model_type_truneg_does_not_build_is_refused_before_an
     args = argparse.Namespace(model=None, init_from="org/tiny-t5", init_generator=str(gpt2),
                               output_dir=tmp_path / "run", train_data=[])
     assert [line.split(";")[0] for line in path_problems(args)] == [
-        f"--init-from {t5} holds a t5 model (its config.json's model_type)",
-        f"--init-generator {gpt2} holds a gpt2 model (its config.json's model_type)"]
+        f"--init-from {t5} holds a t5 model (its config.json's model_type: a sequence-to-sequence model, not a masked "
+        "LM)",
+        f"--init-generator {gpt2} holds a gpt2 model (its config.json's model_type: a causal LM, not a masked one)"]
     argv = ["--init-from", str(gpt2), "--output-dir", str(tmp_path / "run")]
     capsys.readouterr()  # (save_pretrained's progress bar)
     with pytest.raises(SystemExit) as stopped:

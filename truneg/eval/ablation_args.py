@@ -92,7 +92,7 @@ def add_parser(commands, func) -> None:
     tune.add_argument("--squad-train", help="SQuAD v1.1 training JSON: with --squad-dev, each variant is also "
                       "fine-tuned on SQuAD")
     tune.add_argument("--squad-dev", help="SQuAD v1.1 dev JSON")
-    tune.add_argument("--recipe", choices=["auto", "electra", "bert"], default="auto",
+    tune.add_argument("--recipe", choices=["auto", "electra", "bert", "roberta"], default="auto",
                       help="whose published recipe fills the fine-tuning flags not given (auto: by model family)")
     tune.add_argument("--epochs", type=int_at_least(0), help=f"fine-tuning epochs ({RECIPE})")
     tune.add_argument("--lr", type=float_between(0), help=f"fine-tuning learning rate ({RECIPE})")

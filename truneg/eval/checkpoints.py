@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM
+from torch import nn
+from transformers import AutoConfig, ElectraForMaskedLM
 
 from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
 from truneg.errors import UserError
 from truneg.model import hub
+from truneg.model.families import MLM_CLASSES, saved_tokenizer
 from truneg.model.presets import load_pretrained
 from truneg.model.pretrainers import BertPretrainer, ElectraPretrainer, ObjectiveConfig, build_pretrainer
 from truneg.train.checkpointing import checkpoint, integrity
@@ -67,11 +69,7 @@ def discover_checkpoints(paths: list[str | Path], generator: str | None = None) 
 def saved_tokenizer_dir(ref: CheckpointRef) -> Path | None:
     """Where the checkpoint's tokenizer was saved: beside a truneg tag's configs, or in an exported or hub folder
     (or its ELECTRA parts'); None where none was."""
-    if ref.kind == "truneg":
-        candidates = [run_tokenizer_dir(ref.path.parent)]
-    else:
-        candidates = [ref.path, *(ref.path / part for part in PARTS)]
-    return next((c for c in candidates if (c / "tokenizer.json").is_file() or (c / "vocab.txt").is_file()), None)
+    return saved_tokenizer(run_tokenizer_dir(ref.path.parent) if ref.kind == "truneg" else ref.path)
 
 
 def checkpoints_tokenizer(refs: list[CheckpointRef], given: str | None = None) -> PreTrainedTokenizerBase:
@@ -92,7 +90,8 @@ def checkpoints_tokenizer(refs: list[CheckpointRef], given: str | None = None) -
 
 
 def load_pretrainer(ref: CheckpointRef) -> BertPretrainer | ElectraPretrainer:
-    """The whole model, as a run's evaluation sees it: BERT's MLM, or ELECTRA's generator and discriminator."""
+    """The whole model, as a run's evaluation sees it: BERT's (RoBERTa's) MLM, or ELECTRA's generator and
+    discriminator."""
     if ref.kind == "hf":
         return build_pretrainer(None, ObjectiveConfig(), ref.path, init_generator=ref.generator)
     parts, _ = load_parts(ref.path)
@@ -101,19 +100,23 @@ def load_pretrainer(ref: CheckpointRef) -> BertPretrainer | ElectraPretrainer:
     return ElectraPretrainer(parts["generator"], parts["discriminator"], ObjectiveConfig())
 
 
-def load_mlm(ref: CheckpointRef) -> BertForMaskedLM | ElectraForMaskedLM:
-    """The masked LM of a checkpoint: BertForMaskedLM, or ELECTRA's generator (ElectraForMaskedLM)."""
+# the masked LMs an exported or hub folder's `architectures` may name
+MLM_ARCHITECTURES = {cls.__name__: cls for cls in (*MLM_CLASSES.values(), ElectraForMaskedLM)}
+
+
+def load_mlm(ref: CheckpointRef) -> nn.Module:
+    """The masked LM of a checkpoint: BertForMaskedLM, RobertaForMaskedLM, XLMRobertaForMaskedLM, or ELECTRA's
+    generator (ElectraForMaskedLM)."""
     if ref.kind == "truneg":
         parts, _ = load_parts(ref.path)
         return parts.get("mlm") or parts["generator"]
     folder = ref.generator or (ref.path / "generator" if (ref.path / "generator").is_dir() else ref.path)
     architectures = load_pretrained(AutoConfig, folder, "checkpoint").architectures or []
-    if "BertForMaskedLM" in architectures:
-        return load_pretrained(BertForMaskedLM, folder, "checkpoint")
-    if "ElectraForMaskedLM" in architectures:
-        return load_pretrained(ElectraForMaskedLM, folder, "checkpoint")
-    raise UserError(f"{folder} holds a {architectures or 'model'} without an MLM head; pass a BERT MLM or an ELECTRA "
-                    "generator")
+    found = next((MLM_ARCHITECTURES[name] for name in architectures if name in MLM_ARCHITECTURES), None)
+    if found is None:
+        raise UserError(f"{folder} holds a {architectures or 'model'} without an MLM head; pass a BERT or RoBERTa MLM, "
+                        "or an ELECTRA generator")
+    return load_pretrained(found, folder, "checkpoint")
 
 
 def samples_of(ref: CheckpointRef) -> dict[str, int]:

@@ -95,7 +95,9 @@ def _robustness_squad(args, attack: str) -> None:
 
 def _common(parser) -> None:
     parser.add_argument("--data", nargs="+", required=True, help="text files, folders or globs to run the MLM over")
-    parser.add_argument("--synonyms", type=Path, help="synonym table (default: the shipped WordNet table)")
+    parser.add_argument("--synonyms", type=Path,
+                        help="synonym table (default: WordNet's for the tokenizer's vocab, the shipped table for "
+                             "bert-base-uncased's)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.set_defaults(output_paths=[("out", "--out", True)])  # checked by cli.main, before the checkpoints run
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, [CLS] and [SEP] included")
@@ -114,11 +116,11 @@ def _common(parser) -> None:
 def _prepare(args, refs):
     from truneg.eval.checkpoints import checkpoints_tokenizer
     from truneg.eval.false_negatives import open_sequences
-    from truneg.synonyms.table import SHIPPED_WORDNET_TABLE, SynonymLookup, SynonymTable
+    from truneg.synonyms.table import SynonymLookup
+    from truneg.train.build import eval_table
 
     tokenizer = checkpoints_tokenizer(refs, args.tokenizer)
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    table = SynonymTable.load(args.synonyms or SHIPPED_WORDNET_TABLE, expect_tokens=tokens)
+    table = eval_table(tokenizer, args.synonyms)  # a run's default: WordNet's for its vocab
     blocks = open_sequences(args.data, tokenizer, args.seq_len, args.segmentation)
     return tokenizer, table, SynonymLookup(table), blocks
 
@@ -264,9 +266,10 @@ RECIPE_HELP = "default: the model's recipe by family and size (docs/evaluation.m
 
 def _add_recipe(parser, epochs_help: str) -> None:
     """The fine-tuning recipe's flags (glue and squad); a flag not given takes the model's published recipe."""
-    parser.add_argument("--recipe", choices=["auto", "electra", "bert"], default="auto",
+    parser.add_argument("--recipe", choices=["auto", "electra", "bert", "roberta"], default="auto",
                         help="whose published recipe sets the flags not given: auto (ELECTRA's for an ELECTRA, "
-                             "BERT's for the rest), electra or bert; the size comes from the model's hidden size")
+                             "RoBERTa's for a RoBERTa or XLM-R, BERT's for the rest), electra, bert or roberta; the "
+                             "size comes from the model's hidden size")
     parser.add_argument("--epochs", type=int_at_least(0), help=epochs_help)
     parser.add_argument("--lr", type=float_between(0), help=f"peak learning rate ({RECIPE_HELP})")
     parser.add_argument("--batch-size", type=int_at_least(1), help=RECIPE_HELP)

@@ -23,16 +23,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import BertForMaskedLM, ElectraForMaskedLM
+from transformers import ElectraForMaskedLM
 
 from truneg.data.blocks import open_training_blocks
 from truneg.data.corpus import is_hf, resolve_text_files
 from truneg.errors import UserError
+from truneg.model.families import max_positions
 from truneg.model.pretrainers import BertPretrainer, ElectraPretrainer
 from truneg.train.heldout import masked_batch, masked_logits, mlm_sums, sample_with
 
 if TYPE_CHECKING:
-    from transformers import BertForMaskedLM, ElectraForMaskedLM, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
 
     from truneg.synonyms.table import SynonymLookup, SynonymTable
 
@@ -151,16 +152,17 @@ def attention_mask_of(original: np.ndarray, pad_id: int) -> torch.Tensor | None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def evaluate(mlm: BertForMaskedLM | ElectraForMaskedLM, blocks: np.ndarray, tokenizer: PreTrainedTokenizerBase,
+def evaluate(mlm: torch.nn.Module, blocks: np.ndarray, tokenizer: PreTrainedTokenizerBase,
              lookup: SynonymLookup, prediction: str = "default", seed: int = 0,
              batch_size: int = 32, max_sequences: int | None = None, label: str = "", step: int = -1,
              max_cases: int = 0, table: SynonymTable | None = None) -> tuple[FnCounts, list[Case]]:
     """Mask each block as training would (seed, epoch 0, block index) and count the HC corrections: the forward, the
-    generator's per-sequence sample and the counting of a run's live evaluation (truneg.train.heldout)."""
-    if blocks.shape[1] > mlm.config.max_position_embeddings:
-        raise UserError(f"--seq-len {blocks.shape[1]} is beyond the model's {mlm.config.max_position_embeddings} "
-                        f"positions ({label or 'the checkpoint'}); use {mlm.config.max_position_embeddings} or less")
-    is_bert = isinstance(mlm, BertForMaskedLM)
+    generator's per-sequence sample and the counting of a run's live evaluation (truneg.train.heldout). `mlm`: a
+    masked LM of BERT's family (a BERT, a RoBERTa) or an ELECTRA generator."""
+    if blocks.shape[1] > (positions := max_positions(mlm.config)):
+        raise UserError(f"--seq-len {blocks.shape[1]} is beyond the model's {positions} positions "
+                        f"({label or 'the checkpoint'}); use {positions} or less")
+    is_bert = not isinstance(mlm, ElectraForMaskedLM)
     if prediction == "default":  # what pre-training's HC judges: BERT's argmax, ELECTRA's generator sample
         prediction = (BertPretrainer if is_bert else ElectraPretrainer).default_prediction
     counts, cases = FnCounts(label, step), []

@@ -14,6 +14,7 @@ import torch
 from truneg.data.blocks import open_training_blocks
 from truneg.errors import UserError
 from truneg.eval.checkpoints import checkpoints_tokenizer, discover_checkpoints, load_pretrainer, samples_of
+from truneg.model.families import max_positions
 from truneg.model.pretrainers import BertPretrainer
 from truneg.train.build import eval_table
 from truneg.train.config.run_config import EVAL_MAX_SEQUENCES
@@ -36,7 +37,7 @@ def evaluate_checkpoints(path: str, data: list[str], generator: str | None = Non
         table = run_eval_table(refs[0].path.parent, tok)
     for ref in refs:
         model = load_pretrainer(ref).to(device)
-        positions = (model.mlm if isinstance(model, BertPretrainer) else model.generator).config.max_position_embeddings
+        positions = max_positions((model.mlm if isinstance(model, BertPretrainer) else model.generator).config)
         if seq_len > positions:
             raise UserError(f"--seq-len {seq_len} is beyond the model's {positions} positions ({ref.label}); use "
                             f"{positions} or less")

@@ -1,7 +1,8 @@
-"""Fine-tuning recipes by model family and size: ELECTRA's and BERT's published hyper-parameters.
+"""Fine-tuning recipes by model family and size: ELECTRA's, BERT's and RoBERTa's published hyper-parameters.
 
 The size comes from the model's hidden size (small below 768, base up to 1023, large from 1024), the family
-from its `model_type` (`--recipe electra|bert` chooses another: the paper fine-tuned its BERTs with ELECTRA's).
+from its `model_type` (`--recipe electra|bert|roberta` chooses another: the paper fine-tuned its BERTs with
+ELECTRA's).
 A flag given on the command line wins over the recipe. docs/evaluation.md has the table with its sources.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from transformers import AutoConfig
 
 from truneg.errors import UserError
 
-FAMILIES = ("electra", "bert")
+FAMILIES = ("electra", "bert", "roberta")
 SIZES = ("small", "base", "large")
 
 
@@ -37,6 +38,12 @@ BERT_SQUAD = ("BERT paper §4.2 (SQuAD v1.1: 3 epochs, lr 5e-5, batch 32); googl
               "max_seq_length 384, doc_stride 128")
 BERT_SMALL = ("Turc et al. 2019 (google-research/bert README, compact models): 4 epochs, lr searched in "
               "{3e-4, 1e-4, 5e-5, 3e-5}, batch in {8, ..., 128}: 1e-4 and 32 picked")
+# One point of RoBERTa's sweep, the one fairseq's GLUE table gives most of its tasks (MNLI, QNLI, QQP, SST-2)
+ROBERTA_GLUE = ("RoBERTa paper, Appendix C, Table 10: lr {1e-5, 2e-5, 3e-5}, batch {16, 32}, 10 epochs, warmup 6 %; "
+                "lr 1e-5 and batch 32 picked, fairseq's RoBERTa GLUE README's point for MNLI, QNLI, QQP and SST-2")
+ROBERTA_SQUAD = "RoBERTa publishes no SQuAD recipe: BERT's (" + BERT_SQUAD + ")"
+ROBERTA = {size: (Recipe(1e-5, 1.0, 10, 32, 0.06, 128, source=ROBERTA_GLUE),
+                  Recipe(5e-5, 1.0, 3, 32, 0.1, 384, 128, source=ROBERTA_SQUAD)) for size in ("base", "large")}
 
 # (family, size) -> (GLUE's recipe, SQuAD's recipe)
 RECIPES: dict[tuple[str, str], tuple[Recipe, Recipe]] = {
@@ -53,6 +60,9 @@ RECIPES: dict[tuple[str, str], tuple[Recipe, Recipe]] = {
                        Recipe(5e-5, 1.0, 3, 32, 0.1, 384, 128, source=BERT_SQUAD)),
     ("bert", "large"): (Recipe(2e-5, 1.0, 3, 32, 0.1, 128, source=BERT_GLUE),
                         Recipe(5e-5, 1.0, 3, 32, 0.1, 384, 128, source=BERT_SQUAD)),
+    ("roberta", "small"): ROBERTA["base"],  # no small RoBERTa was published: base's
+    ("roberta", "base"): ROBERTA["base"],
+    ("roberta", "large"): ROBERTA["large"],
 }
 # The flags a recipe sets when they are not given (the flag's dest: the recipe's field)
 FIELDS = ("lr", "layerwise_decay", "epochs", "batch_size", "warmup_ratio", "max_seq_len", "doc_stride")
@@ -64,9 +74,9 @@ def model_size(hidden_size: int) -> str:
 
 
 def recipe_for(family: str, hidden_size: int, benchmark: str) -> Recipe:
-    """The published recipe for a family ("electra" or "bert") at this hidden size, for "glue" or "squad"."""
+    """The published recipe for a family (FAMILIES) at this hidden size, for "glue" or "squad"."""
     if family not in FAMILIES:
-        raise UserError(f"--recipe {family}: choose auto, {' or '.join(FAMILIES)}")
+        raise UserError(f"--recipe {family}: choose auto, {', '.join(FAMILIES[:-1])} or {FAMILIES[-1]}")
     glue, squad = RECIPES[(family, model_size(hidden_size))]
     return squad if benchmark == "squad" else glue
 
@@ -75,7 +85,7 @@ def model_recipe(model_dir: str | Path, benchmark: str, family: str = "auto") ->
     """The recipe of a model folder (or hub name), from its config: its family unless `family` names one."""
     config = AutoConfig.from_pretrained(str(model_dir))
     if family == "auto":
-        family = "electra" if config.model_type == "electra" else "bert"
+        family = {"electra": "electra", "roberta": "roberta", "xlm-roberta": "roberta"}.get(config.model_type, "bert")
     return recipe_for(family, config.hidden_size, benchmark)
 
 

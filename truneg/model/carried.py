@@ -1,7 +1,8 @@
-"""What a continued checkpoint holds beside the model being pre-trained: BERT's pooler.
+"""What a continued checkpoint holds beside the model being pre-trained: BERT's (or RoBERTa's) pooler.
 
 A public BERT is BertForPreTraining weights: its MLM head, and the pooler (with NSP's head) that
-BertForSequenceClassification starts from. Pre-training continues a BertForMaskedLM, which has no pooler, so the
+BertForSequenceClassification starts from (public RoBERTas hold one too). Pre-training continues a masked LM,
+which has no pooler, so the
 pooler is carried beside it as loaded: no parameter of the engine (AdamW would decay it even at zero gradient), no
 cast to the run's bf16 or fp16, saved once beside the checkpoints' configs and written into the export.
 """
@@ -18,19 +19,20 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from truneg.errors import UserError
 
-# Its keys in a BertForPreTraining's (and a classifier's) weights, and in a BertModel's (a sentence-transformers
-# encoder's), which carry no `bert.` prefix; carried under the first either way.
-POOLER_PREFIX = "bert.pooler."
+# Its keys in a BertForPreTraining's (and a classifier's) weights are `bert.pooler.` (RoBERTa's `roberta.pooler.`),
+# and in a BertModel's (a sentence-transformers encoder's) `pooler.`; carried under the first either way.
 BARE_POOLER_PREFIX = "pooler."
 
 
-def load_pooler(folder: Path, config: PretrainedConfig, unexpected: set[str]) -> dict[str, torch.Tensor] | None:
-    """The pooler's weights of a BERT checkpoint folder, in fp32 (`unexpected`: the keys BertForMaskedLM left
-    unread, from_pretrained's loading info); None when the checkpoint has none (a model pre-trained from scratch)."""
-    if any(key.startswith(POOLER_PREFIX) for key in unexpected):
+def load_pooler(folder: Path, config: PretrainedConfig, unexpected: set[str],
+                base: str = "bert") -> dict[str, torch.Tensor] | None:
+    """The pooler's weights of a checkpoint folder, in fp32 (`unexpected`: the keys the masked LM left unread,
+    from_pretrained's loading info; `base`: its base model's prefix); None when the checkpoint has none (a model
+    pre-trained from scratch). RoBERTa's pooler is BERT's (dense, tanh)."""
+    if any(key.startswith(f"{base}.{BARE_POOLER_PREFIX}") for key in unexpected):
         holder = nn.Module()  # the pooler under its checkpoint names, filled by huggingface_hub (sharded files too)
-        holder.bert = nn.Module()
-        holder.bert.pooler = BertPooler(config)
+        setattr(holder, base, nn.Module())
+        getattr(holder, base).pooler = BertPooler(config)
     elif any(key.startswith(BARE_POOLER_PREFIX) for key in unexpected):
         holder = nn.Module()
         holder.pooler = BertPooler(config)
@@ -47,5 +49,5 @@ def load_pooler(folder: Path, config: PretrainedConfig, unexpected: set[str]) ->
         missing = load_torch_model(holder, single, strict=False, safe=False).missing_keys
     if missing:  # half a pooler: none rather than a random half
         return None
-    prefix = "" if hasattr(holder, "bert") else "bert."
+    prefix = "" if hasattr(holder, base) else f"{base}."
     return {prefix + name: value.detach().clone() for name, value in holder.state_dict().items()}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from truneg.model.families import mlm_head
+
 COMPILE_MODES = ("layers", "whole")
 DEFAULT_MODE = "layers"
 # Inductor's fused kernels; a CPU dry run or test sets "eager" / "aot_eager" (dynamo's trace without codegen).
@@ -19,9 +21,9 @@ BACKEND = "inductor"
 
 def compiled_parts(model: nn.Module) -> list[nn.Module]:
     """The modules `layers` compiles, each once (ELECTRA's generator and discriminator share one embedding)."""
-    if hasattr(model, "mlm"):  # BertPretrainer
-        bert = model.mlm.bert
-        parts = [bert.embeddings, *bert.encoder.layer, model.mlm.cls]
+    if hasattr(model, "mlm"):  # BertPretrainer (a BERT or a RoBERTa)
+        encoder = model.mlm.base_model
+        parts = [encoder.embeddings, *encoder.encoder.layer, mlm_head(model.mlm)]
     else:  # ElectraPretrainer
         generator, discriminator = model.generator, model.discriminator
         parts = [discriminator.electra.embeddings, *generator.electra.encoder.layer,

@@ -8,6 +8,7 @@ from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
 from truneg.errors import UserError
+from truneg.model.families import MODEL_TYPES, REFUSED_TYPES, head_prefix
 from truneg.model.pair import model_type
 
 VOCAB_SIZE = 30522
@@ -61,23 +62,20 @@ def is_electra_checkpoint(root: Path) -> bool:
     return (root / "discriminator" / "config.json").is_file()
 
 
-# The model_types truneg builds: a BERT (BertForMaskedLM / BertForPreTraining; a BertModel or a sentence-transformers
-# BERT encoder with --new-head, whose config.json says "bert" too) and ELECTRA's generator and discriminator.
-MODEL_TYPES = ("bert", "electra")
-
-
 def foreign_model_problem(root: Path, flag: str) -> str | None:
     """One line when a checkpoint folder's config.json (an export's generator/ and discriminator/ ones) names a
-    model_type truneg does not build (a GPT-2, a T5, a RoBERTa), which from_pretrained would load into a BERT of
-    default sizes with every weight missing; None otherwise. A config without a model_type (old BERT exports) or one
-    that cannot be read passes: the load says what is wrong with the latter."""
+    model_type truneg does not build (a GPT-2, a T5, a DeBERTa: families.MODEL_TYPES), which from_pretrained would
+    load into a BERT of default sizes with every weight missing; None otherwise. A config without a model_type (old
+    BERT exports) or one that cannot be read passes: the load says what is wrong with the latter."""
     parts = [root / "generator", root / "discriminator"] if is_electra_checkpoint(root) else [root]
     for folder in parts:
         found = model_type(folder)
         if found is not None and found not in MODEL_TYPES:
-            return (f"{flag} {folder} holds a {found} model (its config.json's model_type); truneg continues only "
-                    f"model_type {' or '.join(MODEL_TYPES)} (a BERT MLM or encoder, an ELECTRA generator and "
-                    "discriminator, or `truneg export`'s folder): pass one of those")
+            why = f": {REFUSED_TYPES[found]}" if found in REFUSED_TYPES else ""
+            return (f"{flag} {folder} holds a {found} model (its config.json's model_type{why}); truneg continues only "
+                    "model_type "
+                    f"{', '.join(MODEL_TYPES[:-1])} or {MODEL_TYPES[-1]} (a BERT or RoBERTa MLM or encoder, an ELECTRA "
+                    "generator and discriminator, or `truneg export`'s folder): pass one of those")
     return None
 
 
@@ -114,11 +112,6 @@ def load_pretrained(cls, path: str | Path, flag: str, **kwargs):
                         "another folder") from None
 
 
-# The MLM head of a BertForMaskedLM: what --new-head starts as HF initialises it when a checkpoint lacks it (a
-# BertModel export, a sentence-transformers encoder). Its decoder's weight is tied to the word embeddings.
-BERT_MLM_HEAD = "cls.predictions."
-
-
 def from_pretrained_with_head(cls, path: Path, flag: str = "--init-from", new_head: bool = False) -> tuple:
     """(the model, the checkpoint's weights it does not hold: a BertForPreTraining's pooler, ...).
 
@@ -143,15 +136,18 @@ def from_pretrained_with_head(cls, path: Path, flag: str = "--init-from", new_he
         hf_logging.set_verbosity(verbosity)
     # A checkpoint of another class (a BertModel, a classifier) loads with its head missing, which HF only logs:
     # pre-training would go on from a random head.
+    # The MLM head is what --new-head starts as HF initialises it when a checkpoint lacks it (a BertModel export, a
+    # sentence-transformers encoder); its decoder's weight is tied to the word embeddings.
+    prefix = head_prefix(cls)
     missing = sorted(k for k in info["missing_keys"] if not k.endswith("position_ids"))
-    head = [k for k in missing if k.startswith(BERT_MLM_HEAD)]
+    head = [k for k in missing if k.startswith(prefix)]
     if new_head and not head:
-        raise UserError(f"--new-head: {path} has its MLM head ({BERT_MLM_HEAD}*); drop --new-head to continue it")
-    encoder = [k for k in missing if not (new_head and k.startswith(BERT_MLM_HEAD))]
+        raise UserError(f"--new-head: {path} has its MLM head ({prefix}*); drop --new-head to continue it")
+    encoder = [k for k in missing if not (new_head and k.startswith(prefix))]
     if encoder:
         fix = (" (a BertModel or a sentence-transformers encoder: pass --new-head to start the MLM head as HF "
                "initialises it)" if head and len(head) == len(encoder) else "")
         raise UserError(f"{flag}: {path} lacks {len(encoder)} weights of {cls.__name__} ({', '.join(encoder[:3])}"
                         f"{', ...' if len(encoder) > 3 else ''}), which would start random; pass a checkpoint with the "
-                        f"pre-training head (a BertForMaskedLM / BertForPreTraining, or `truneg export`'s folder){fix}")
+                        f"pre-training head (a {cls.__name__} / BertForPreTraining, or `truneg export`'s folder){fix}")
     return model, set(info["unexpected_keys"])

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
 from truneg.errors import UserError
+from truneg.model import families
 from truneg.model.carried import load_pooler
 from truneg.model.objectives import (
     DISCRIMINATOR_WEIGHT,
@@ -38,6 +39,7 @@ from truneg.model.pair import (
     check_electra_folder,
     check_tieable,
     differing_embeddings,
+    model_type,
     note_kept_copy,
     refuse_lone_electra,
 )
@@ -65,21 +67,6 @@ class ObjectiveConfig:
     sr: str = "none"  # none | word | sent
     sr_weight: float = 1.0
     sr_sent_target: str = "masked"  # H_s of SR_Sent: the masked sentence (the MLM's own pass) | the original
-
-
-def gather_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """hidden [B, L, H] at positions [B, P] -> [B, P, H], by torch.gather (static shape, no host sync)."""
-    return hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-
-
-def bert_masked_logits(mlm: BertForMaskedLM, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """MLM logits [B, P, V] at the masked positions only: the head runs on B x P rows, not B x L."""
-    return mlm.cls(gather_positions(hidden, positions))
-
-
-def generator_masked_logits(generator: ElectraForMaskedLM, hidden: torch.Tensor,
-                            positions: torch.Tensor) -> torch.Tensor:
-    return generator.generator_lm_head(generator.generator_predictions(gather_positions(hidden, positions)))
 
 
 def _correct(gold, pred, valid, lookup: SynonymLookup | None) -> torch.Tensor:
@@ -136,11 +123,12 @@ class _Pretrainer(nn.Module):
 
 
 class BertPretrainer(_Pretrainer):
-    """BertForMaskedLM trained by MLM at the masked positions, with optional HC and SR."""
+    """A masked LM of BERT's family (BertForMaskedLM, or RoBERTa's and XLM-R's: families.py) trained by MLM at the
+    masked positions, with optional HC and SR. RoBERTa's masking is BERT's (15 %, 80/10/10)."""
 
     scheme = "bert"
 
-    def __init__(self, mlm: BertForMaskedLM, objective: ObjectiveConfig, pooler: dict[str, torch.Tensor] | None = None):
+    def __init__(self, mlm: nn.Module, objective: ObjectiveConfig, pooler: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.mlm = mlm
         # A continued checkpoint's pooler (carried.py): a plain dict, so neither a parameter of the engine nor
@@ -150,13 +138,13 @@ class BertPretrainer(_Pretrainer):
 
     @property
     def word_embeddings(self) -> nn.Embedding:
-        return self.mlm.bert.embeddings.word_embeddings
+        return self.mlm.base_model.embeddings.word_embeddings
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.mlm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return families.encode(self.mlm, input_ids, attention_mask)
 
     def masked_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return bert_masked_logits(self.mlm, hidden, positions)
+        return families.masked_logits(self.mlm, hidden, positions)
 
     def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
                 masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -208,7 +196,7 @@ class ElectraPretrainer(_Pretrainer):
         return self.discriminator.electra.embeddings.word_embeddings
 
     def masked_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return generator_masked_logits(self.generator, hidden, positions)
+        return families.masked_logits(self.generator, hidden, positions)
 
     def forward(self, input_ids: torch.Tensor, original_ids: torch.Tensor, masked_positions: torch.Tensor,
                 masked_valid: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -336,8 +324,8 @@ def _continued(preset: str | None, root: Path, objective: ObjectiveConfig, gener
         model = ElectraPretrainer(generator, discriminator, objective)
         config = discriminator.config
     else:
-        mlm, unexpected = from_pretrained_with_head(BertForMaskedLM, root, new_head=new_head)
-        model = BertPretrainer(mlm, objective, pooler=load_pooler(root, mlm.config, unexpected))
+        mlm, unexpected = from_pretrained_with_head(families.mlm_class(model_type(root)), root, new_head=new_head)
+        model = BertPretrainer(mlm, objective, pooler=load_pooler(root, mlm.config, unexpected, mlm.base_model_prefix))
         if new_head and os.environ.get("RANK", "0") == "0":
             print(f"truneg: --new-head: {root} has no MLM head; its transform (dense, LayerNorm) and bias start as HF "
                   "initialises them, the decoder tied to the loaded word embeddings", flush=True)
@@ -355,10 +343,12 @@ def _continued(preset: str | None, root: Path, objective: ObjectiveConfig, gener
 
 
 def architecture(model: BertPretrainer | ElectraPretrainer) -> dict:
-    """What was built or loaded, for the run record: family, layers, width, vocab, dropout."""
+    """What was built or loaded, for the run record: family, layers, width, vocab, dropout, and a RoBERTa's or an
+    XLM-R's model_type (none for a BERT or an ELECTRA, whose recorded runs resume as recorded)."""
     config = model.mlm.config if isinstance(model, BertPretrainer) else model.discriminator.config
     return {"family": model.scheme, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
-            "vocab_size": config.vocab_size, "dropout": config.hidden_dropout_prob}
+            "vocab_size": config.vocab_size, "dropout": config.hidden_dropout_prob,
+            **({"model_type": config.model_type} if families.is_roberta(config) else {})}
 
 
 def set_dropout(model: nn.Module, p: float) -> None:
@@ -381,8 +371,9 @@ def checkpoint_activations(model: BertPretrainer | ElectraPretrainer) -> None:
 
 
 def decays(name: str) -> bool:
-    """BERT's and ELECTRA's rule: weight decay on every parameter but biases and LayerNorm weights."""
-    return not (name.endswith("bias") or "LayerNorm" in name)
+    """BERT's and ELECTRA's rule: weight decay on every parameter but biases and LayerNorm weights (RoBERTa's head
+    names its LayerNorm `layer_norm`)."""
+    return not (name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name)
 
 
 def parameter_groups(model: nn.Module) -> list[dict]:

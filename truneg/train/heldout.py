@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from truneg.data.blocks import PreparedBlocks, ensure_prepared, open_prepared
 from truneg.data.masking import default_max_predictions, mask_tokens
 from truneg.errors import UserError
+from truneg.model import families
 from truneg.model.objectives import false_negative_counts, hard_correction
-from truneg.model.pretrainers import BertPretrainer, bert_masked_logits, fill_masked, generator_masked_logits
+from truneg.model.pretrainers import BertPretrainer, fill_masked
 from truneg.synonyms.table import SynonymLookup, SynonymTable
 from truneg.train.build import Start, eval_table, open_blocks
 from truneg.train.checkpointing.checkpoint import HF_CONFIG_DIR
@@ -116,12 +117,9 @@ def sample_with(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def masked_logits(mlm: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, P, V] logits of a BertForMaskedLM or an ELECTRA generator at the masked positions (as in training)."""
-    if hasattr(mlm, "bert"):
-        hidden = mlm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return bert_masked_logits(mlm, hidden, positions)
-    hidden = mlm.electra(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return generator_masked_logits(mlm, hidden, positions)
+    """[B, P, V] logits of a masked LM (BERT's, RoBERTa's) or an ELECTRA generator at the masked positions (as in
+    training)."""
+    return families.masked_logits(mlm, families.encode(mlm, input_ids, attention_mask), positions)
 
 
 def _fixed(values: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ The weights come from fp32_state_dict (any world size): DeepSpeed's zero_to_fp32
 partitions, BF16_Optimizer's fp32 masters for the bf16 recipes, and at ZeRO-0 the model file's weights as the
 run held them (fp16 in an fp16 run). The HF configs were saved beside the checkpoints when the run started.
 
-    truneg export runs/demo/checkpoints runs/demo/hf            # BERT: one MLM folder
+    truneg export runs/demo/checkpoints runs/demo/hf            # BERT, RoBERTa: one MLM folder
                                                                 # ELECTRA: hf/generator and hf/discriminator
 """
 from __future__ import annotations
@@ -17,10 +17,11 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, BertForMaskedLM, ElectraForMaskedLM, ElectraForPreTraining
+from transformers import AutoConfig, ElectraForMaskedLM, ElectraForPreTraining
 
 from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
 from truneg.errors import UserError, check_output_path
+from truneg.model.families import mlm_class
 from truneg.model.pretrainers import ElectraPretrainer, ObjectiveConfig
 from truneg.train.checkpointing import checkpoint, integrity
 from truneg.train.checkpointing.checkpoint import HF_CONFIG_DIR
@@ -28,7 +29,8 @@ from truneg.train.checkpointing.checkpoint import HF_CONFIG_DIR
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-PARTS = {"mlm": BertForMaskedLM, "generator": ElectraForMaskedLM, "discriminator": ElectraForPreTraining}
+# the pre-trainer's parts; "mlm" is the masked LM of the config's model_type (BertForMaskedLM, RobertaForMaskedLM, ...)
+PARTS = {"mlm": None, "generator": ElectraForMaskedLM, "discriminator": ElectraForPreTraining}
 TOKENIZER_DIR = "tokenizer"
 POOLER_FILE = "pooler.safetensors"  # beside the configs: a continued BERT's pooler as loaded (model/carried.py)
 
@@ -67,13 +69,14 @@ def load_parts(checkpoint_path: str | Path) -> tuple[dict, int]:
     if not names:
         raise UserError(f"{checkpoint_dir} has no {HF_CONFIG_DIR}/; it was not written by truneg pretrain")
     try:
-        parts = {p: PARTS[p](AutoConfig.from_pretrained(checkpoint_dir / HF_CONFIG_DIR / p)) for p in names}
+        configs = {p: AutoConfig.from_pretrained(checkpoint_dir / HF_CONFIG_DIR / p) for p in names}
     except (OSError, ValueError) as err:  # transformers' own line names the file; a traceback would bury it
         raise UserError(f"cannot read the model configs in {checkpoint_dir / HF_CONFIG_DIR} ({str(err)[:200]}); "
                         "the checkpoint folder is damaged") from None
+    parts = {p: (PARTS[p] or mlm_class(config.model_type))(config) for p, config in configs.items()}
     if "generator" in parts:
         holder = ElectraPretrainer(parts["generator"], parts["discriminator"], ObjectiveConfig())
-    else:  # the pre-trainer's `mlm.` keys onto a bare BertForMaskedLM
+    else:  # the pre-trainer's `mlm.` keys onto a bare masked LM
         holder = nn.Module()
         holder.mlm = parts["mlm"]
     load_into(holder, fp32_state_dict(checkpoint_dir, tag), str(checkpoint_dir / tag))
@@ -100,7 +103,7 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, tokenizer_dir: str 
     written = {}
     for name, model in parts.items():
         folder = out_dir if name == "mlm" else out_dir / name
-        # a continued BERT's pooler beside its MLM head, as in a public BERT's weights (finetune starts from it)
+        # a continued BERT's (RoBERTa's) pooler beside its MLM head, as in its public weights (finetune starts from it)
         model.save_pretrained(folder, **({"state_dict": {**model.state_dict(), **pooler}} if name == "mlm" and pooler
                                          else {}))
         save_tokenizer(tokenizer, Path(tokenizer_dir), folder)

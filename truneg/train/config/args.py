@@ -8,7 +8,7 @@ from pathlib import Path
 import deepspeed
 from deepspeed.constants import default_pg_timeout
 
-from truneg.data.blocks import DEFAULT_TOKENIZER, DEMO_CORPUS
+from truneg.data.blocks import DEMO_CORPUS
 from truneg.data.masking import mask_scheme
 from truneg.errors import UserError, check_output_path, out_of_range
 from truneg.model.compile import COMPILE_MODES, DEFAULT_MODE
@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-data", nargs="+", default=[str(DEMO_CORPUS)],
                         help="text files, folders or globs (blank lines separate documents), or "
                              "hf:NAME[:CONFIG][@SPLIT]#COLUMN")
-    parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER),
-                        help="tokenizer folder (default: bert-base-uncased)")
+    parser.add_argument("--tokenizer", help="tokenizer folder or hub name (default: bert-base-uncased's; with "
+                        "--init-from a RoBERTa or XLM-R, the checkpoint's own)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--save-steps", type=int, default=100,

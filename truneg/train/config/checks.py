@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 from pathlib import Path
 
@@ -24,7 +25,13 @@ from truneg.data.corpus import is_hf, resolve_text_files
 from truneg.data.masking import DEFAULT_RATE, capped_rate, default_max_predictions
 from truneg.errors import UserError, check_output_path
 from truneg.model import hub
-from truneg.model.presets import DEFAULT_PRESET, foreign_model_problem, matching_preset
+from truneg.model.presets import (
+    DEFAULT_PRESET,
+    VOCAB_SIZE,
+    foreign_model_problem,
+    is_electra_checkpoint,
+    matching_preset,
+)
 from truneg.train.config import ds_config, memory
 from truneg.train.config.ds_config import GPU_ARCH_ENV, GPU_ARCHS
 
@@ -48,6 +55,19 @@ def effective_preset(args: argparse.Namespace, fetch: bool = False) -> str | Non
     folder = hub.folder_or_cached(args.init_from) or (hub.fetch_config(args.init_from) if fetch else None)
     electra = True if getattr(args, "init_generator", None) else None  # a discriminator alone is ELECTRA's too
     return matching_preset(folder, electra) if folder is not None else None
+
+
+def effective_vocab_size(args: argparse.Namespace) -> int:
+    """The model's vocabulary rows for the memory estimate: an --init-from checkpoint's own (read from its config
+    where it is here), else the presets' (bert-base-uncased's)."""
+    folder = hub.folder_or_cached(args.init_from) if args.init_from else None
+    if folder is None:
+        return VOCAB_SIZE
+    config = folder / "discriminator" / "config.json" if is_electra_checkpoint(folder) else folder / "config.json"
+    try:
+        return int(json.loads(config.read_text()).get("vocab_size") or VOCAB_SIZE)
+    except (OSError, ValueError, TypeError):
+        return VOCAB_SIZE
 
 
 def resolve_config(args: argparse.Namespace, world_size: int, capability=_LOCAL,
@@ -95,7 +115,8 @@ def memory_micro_cap(args: argparse.Namespace, path: str | Path, capability, mem
     predictions = args.max_predictions or default_max_predictions(args.seq_len, getattr(args, "mlm_probability", None)
                                                                   or DEFAULT_RATE)
     micro, line = memory.micro_for_memory(memory_gib, preset, precision, args.seq_len, predictions, args.sr,
-                                          bool(getattr(args, "activation_checkpointing", False)))
+                                          bool(getattr(args, "activation_checkpointing", False)),
+                                          effective_vocab_size(args))
     return micro, [line]
 
 

@@ -42,17 +42,18 @@ def local_memory_gib() -> float | None:
 
 
 @functools.cache
-def parameter_count(preset: str) -> int:
-    """Trainable parameters of a preset (shared embeddings once), built on the meta device: no memory."""
+def parameter_count(preset: str, vocab_size: int = VOCAB_SIZE) -> int:
+    """Trainable parameters of a preset (shared embeddings once) at a vocabulary size (an --init-from's own: a
+    RoBERTa's 50k rows, XLM-R's 250k), built on the meta device: no memory."""
     with torch.device("meta"):
-        model = build_pretrainer(preset, ObjectiveConfig())
+        model = build_pretrainer(preset, ObjectiveConfig(), vocab_size=vocab_size)
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int,
-                 sr: str = "none", checkpointing: bool = False) -> tuple[float, float]:
+                 sr: str = "none", checkpointing: bool = False, vocab_size: int = VOCAB_SIZE) -> tuple[float, float]:
     """(weights and optimizer states, activations per sample) in GiB for one GPU; `checkpointing`: with
-    --activation-checkpointing."""
+    --activation-checkpointing; `vocab_size`: the model's rows (the preset's sizes, a checkpoint's vocabulary)."""
     if is_electra(preset):
         encoders = [(s["num_hidden_layers"], s["hidden_size"]) for s in ELECTRA_PRESETS[preset]]
         extra = [encoders[0]] if sr == "sent" else []  # SR_Sent: the discriminator encodes the original too
@@ -62,20 +63,20 @@ def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int
         extra = encoders if sr == "sent" else []  # the filled-in sentence
     scale = 2 if precision == "fp32" else 1
     tokens = sum(layers * hidden for layers, hidden in encoders + extra) * seq_len
-    head = max_predictions * VOCAB_SIZE
+    head = max_predictions * vocab_size
     if checkpointing:  # every layer's input, and one layer's activations during its recompute
         layers = INPUT_BYTES * tokens + ACTIVATION_BYTES * max(hidden for _, hidden in encoders) * seq_len
     else:
         layers = ACTIVATION_BYTES * tokens
     per_sample = scale * (layers + HEAD_BYTES * head)
-    return parameter_count(preset) * STATE_BYTES[precision] / 2**30, per_sample / 2**30
+    return parameter_count(preset, vocab_size) * STATE_BYTES[precision] / 2**30, per_sample / 2**30
 
 
 def micro_for_memory(memory_gib: float, preset: str, precision: str, seq_len: int, max_predictions: int,
-                     sr: str = "none", checkpointing: bool = False) -> tuple[int, str]:
+                     sr: str = "none", checkpointing: bool = False, vocab_size: int = VOCAB_SIZE) -> tuple[int, str]:
     """The largest power-of-two micro-batch (at most MAX_MICRO, at least 1) whose estimate fits the GPU, and a line
     with the estimate."""
-    static, per_sample = estimate_gib(preset, precision, seq_len, max_predictions, sr, checkpointing)
+    static, per_sample = estimate_gib(preset, precision, seq_len, max_predictions, sr, checkpointing, vocab_size)
     budget = USABLE * memory_gib - HEADROOM_GIB
     micro = MAX_MICRO
     while micro > 1 and static + micro * per_sample > budget:

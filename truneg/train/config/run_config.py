@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
+from truneg.data.blocks import DEFAULT_TOKENIZER
 from truneg.data.masking import DEFAULT_RATE, MaskScheme, default_max_predictions, mask_scheme
+from truneg.model.families import own_tokenizer
 
 # The output folder's layout (--output-dir), besides DeepSpeed's monitors' folders (config.MONITORS).
 RUN_FILE = "run.json"  # what makes the folder's run that run (checkpointing.run_dir)
@@ -82,6 +84,7 @@ class RunConfig:
         values = {f.name: getattr(args, f.name, None) for f in fields(cls)}
         values["train_data"] = list(args.train_data)
         values["output_dir"] = Path(args.output_dir)
+        values["tokenizer"] = args.tokenizer or own_tokenizer(args.init_from) or str(DEFAULT_TOKENIZER)
         rate = getattr(args, "mlm_probability", None) or DEFAULT_RATE
         values["max_predictions"] = args.max_predictions or default_max_predictions(args.seq_len, rate)
         values["sr_sent_target"] = args.sr_sent_target or "masked"  # ELECTRA takes the original whatever it says
