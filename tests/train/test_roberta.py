@@ -4,6 +4,7 @@ resumed bitwise, export and reload, `truneg eval` and fn-stats, and the refusals
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 
 import numpy as np
@@ -166,7 +167,7 @@ def test_two_ranks_continue_a_roberta_with_hc_and_sr_resume_bitwise_after_kill_9
     reference_dir = tmp_path / "unbroken"
     run(deepspeed_cmd(*args(reference_dir), port=free_port()), env)
     record = json.loads((reference_dir / "run.json").read_text())
-    assert record["tokenizer"] == str(folder) and record["init_revision"] == "0" * 40
+    assert record["tokenizer"] == NAME and record["init_revision"] == "0" * 40  # its own, as given
     assert record["architecture"]["model_type"] == "roberta" and record["architecture"]["vocab_size"] == 1000
     reference, reference_evals = (comparable(read_metrics(reference_dir, kind)) for kind in ("train", "eval"))
     assert sum(r["hc_corrected"] for r in reference) > 0 and all(r["sr_loss"] > 0 for r in reference)
@@ -250,6 +251,23 @@ def test_what_truneg_cannot_continue_or_read_with_a_roberta_is_one_line(hub, wor
         assert stopped.value.code == 2 and err.count("truneg: error: ") == 1, (expected, err)
         assert err.splitlines()[-1].startswith("truneg: error: ") and expected in err.splitlines()[-1], (expected, err)
         assert not out.exists(), expected
+
+    # `truneg preflight` says the same before any launch
+    from truneg.cluster import preflight
+
+    assert preflight.run([*common, *cases[2][0]]) == 2 and cases[2][1] in capsys.readouterr().err
+    assert preflight.run([*common, *cases[3][0]]) == 2 and cases[3][1] in capsys.readouterr().err
+    # a RoBERTa saved in the older layout (vocab.json and merges.txt, no tokenizer.json): its own tokenizer still
+    classic = tmp_path / "classic"
+    shutil.copytree(folder, classic, ignore=lambda _, names: [n for n in names if n.startswith("tokenizer")])
+    tokenizer.backend_tokenizer.model.save(str(classic))
+    from truneg.data.blocks import load_tokenizer
+    from truneg.train.config.args import parse_args
+    from truneg.train.config.run_config import RunConfig
+
+    cfg = RunConfig.from_args(parse_args(["--init-from", str(classic)]))
+    assert cfg.tokenizer == str(classic) and load_tokenizer(cfg.tokenizer).get_vocab() == tokenizer.get_vocab()
+    assert not (out.exists() or capsys.readouterr().err.count("error"))
 
     encoder = tmp_path / "encoder"  # a RoBERTa without its MLM head (a RobertaModel, a sentence encoder)
     torch.manual_seed(0)

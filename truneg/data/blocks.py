@@ -39,11 +39,14 @@ def default_cache_dir() -> Path:
 
 
 def load_tokenizer(name_or_dir: str | Path = DEFAULT_TOKENIZER) -> PreTrainedTokenizerBase:
-    """The fast tokenizer of a folder or hub name (the default is the shipped bert-base-uncased vocab)."""
+    """The fast tokenizer of a folder or hub name, `NAME@REVISION` too (the default is the shipped bert-base-uncased
+    vocab)."""
     from transformers import AutoTokenizer
 
+    spec = str(name_or_dir)
+    name, _, revision = (spec, "", "") if Path(spec).exists() else spec.partition("@")
     try:
-        return AutoTokenizer.from_pretrained(str(name_or_dir))
+        return AutoTokenizer.from_pretrained(name, revision=revision or None)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load tokenizer {name_or_dir} ({err}); pass a folder with vocab.txt") from None
 

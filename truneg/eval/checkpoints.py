@@ -17,7 +17,8 @@ from transformers import AutoConfig, ElectraForMaskedLM
 from truneg.data.blocks import DEFAULT_TOKENIZER, load_tokenizer
 from truneg.errors import UserError
 from truneg.model import hub
-from truneg.model.families import MLM_CLASSES, saved_tokenizer
+from truneg.model.families import MLM_CLASSES, ROBERTA_TYPES, saved_tokenizer
+from truneg.model.pair import model_type
 from truneg.model.presets import load_pretrained
 from truneg.model.pretrainers import BertPretrainer, ElectraPretrainer, ObjectiveConfig, build_pretrainer
 from truneg.train.checkpointing import checkpoint, integrity
@@ -74,13 +75,17 @@ def saved_tokenizer_dir(ref: CheckpointRef) -> Path | None:
 
 def checkpoints_tokenizer(refs: list[CheckpointRef], given: str | None = None) -> PreTrainedTokenizerBase:
     """`given` (--tokenizer), else the tokenizer the checkpoints were trained with; bert-base-uncased's where none
-    is saved. Checkpoints of different vocabularies are refused: their ratios would not be comparable, and one
-    would read the other's token ids."""
+    is saved (never for a RoBERTa or an XLM-R: one line). Checkpoints of different vocabularies are refused: their
+    ratios would not be comparable, and one would read the other's token ids."""
     if given:
         return load_tokenizer(given)
     chosen, vocab, first = None, None, None
     for ref in refs:
-        tokenizer = load_tokenizer(saved_tokenizer_dir(ref) or Path(DEFAULT_TOKENIZER))
+        saved = saved_tokenizer_dir(ref)
+        if saved is None and ref.kind == "hf" and model_type(ref.path) in ROBERTA_TYPES:
+            raise UserError(f"{ref.label} holds a {model_type(ref.path)} without its tokenizer's files; pass "
+                            "--tokenizer the one it was trained with")
+        tokenizer = load_tokenizer(saved or Path(DEFAULT_TOKENIZER))
         if vocab is None:
             chosen, vocab, first = tokenizer, tokenizer.get_vocab(), ref.label
         elif tokenizer.get_vocab() != vocab:

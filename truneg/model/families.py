@@ -117,41 +117,48 @@ def masked_logits(mlm: nn.Module, hidden: torch.Tensor, positions: torch.Tensor)
 # ---------------------------------------------------------------------------------------------------
 
 
+# A tokenizer's files in a checkpoint folder: a fast tokenizer's, WordPiece's, byte-level BPE's (RoBERTa's vocab.json
+# and merges.txt) or SentencePiece's model
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "sentencepiece.bpe.model", "spiece.model")
+
+
 def saved_tokenizer(folder: Path) -> Path | None:
     """Where a checkpoint folder keeps its tokenizer: the folder, or an ELECTRA export's parts; None if nowhere."""
     candidates = [folder, folder / "generator", folder / "discriminator"]
-    return next((c for c in candidates if (c / "tokenizer.json").is_file() or (c / "vocab.txt").is_file()), None)
+    return next((c for c in candidates if any((c / name).is_file() for name in TOKENIZER_FILES)), None)
+
+
+def is_roberta_checkpoint(init_from: str) -> bool:
+    """Whether --init-from names a RoBERTa or an XLM-R: its folder's or cached config's model_type, else (a hub name
+    not cached yet, online) its config fetched alone."""
+    folder = hub.folder_or_cached(init_from) or hub.fetch_config(init_from)
+    return folder is not None and model_type_of(folder) in ROBERTA_TYPES
 
 
 def own_tokenizer(init_from: str | None) -> str | None:
-    """--tokenizer's default for an --init-from RoBERTa or XLM-R: the checkpoint's own tokenizer (its folder, a hub
-    name's cached snapshot, or the hub name itself); None otherwise, where the shipped bert-base-uncased vocab (the
-    public uncased BERTs' and ELECTRAs') stays the default."""
-    if not init_from:
-        return None
-    folder = hub.folder_or_cached(init_from)
-    if folder is None:  # a hub name not cached yet: its config alone says the family (None offline)
-        config_folder = hub.fetch_config(init_from)
-        if config_folder is None or model_type_of(config_folder) not in ROBERTA_TYPES:
-            return None
-        return hub.split_revision(init_from)[0]
-    if model_type_of(folder) not in ROBERTA_TYPES:
-        return None
-    own = saved_tokenizer(folder)
-    return None if own is None else str(own)
+    """--tokenizer's default for an --init-from RoBERTa or XLM-R: the checkpoint itself, as given (a folder, or a hub
+    name and its revision: the same string on every start, which run.json records), whose tokenizer files
+    AutoTokenizer reads; None otherwise, where the shipped bert-base-uncased vocab (the public uncased BERTs' and
+    ELECTRAs') stays the default."""
+    return init_from if init_from and is_roberta_checkpoint(init_from) else None
 
 
-def tokenizer_problem(init_from: str, given: str, tokenizer) -> str | None:
+def tokenizer_problem(init_from: str, given: str | None) -> str | None:
     """One line when --tokenizer is of another kind or size than --init-from's own tokenizer (its embedding rows
-    would read other tokens); None when they match or the checkpoint keeps no tokenizer here."""
+    would read other tokens); None when they match, when --tokenizer is the default, or when the checkpoint keeps no
+    tokenizer here to compare with (the start then refuses a tokenizer larger than its embeddings)."""
+    if not given or given == init_from:
+        return None
     folder = hub.folder_or_cached(init_from)
     own_dir = saved_tokenizer(folder) if folder is not None else None
     if own_dir is None or Path(given).resolve() == own_dir.resolve():
         return None
-    own = load_tokenizer(own_dir)
+    tokenizer, own = load_tokenizer(given), load_tokenizer(own_dir)
     mine, theirs = (tokenizer_kind(tokenizer), len(tokenizer)), (tokenizer_kind(own), len(own))
     if mine == theirs:
         return None
+    fix = ("drop --tokenizer (the checkpoint's own is a RoBERTa's default)" if model_type_of(folder) in ROBERTA_TYPES
+           else f"pass --tokenizer {own_dir}")
     return (f"--tokenizer {given} is a {mine[0] or 'tokenizer'} of {mine[1]} tokens, and --init-from {init_from} was "
             f"trained with a {theirs[0] or 'tokenizer'} of {theirs[1]} ({own_dir}): its embedding rows would read "
-            f"other tokens; pass --tokenizer {own_dir}, or drop --tokenizer for a RoBERTa or XLM-R")
+            f"other tokens; {fix}")

@@ -14,7 +14,7 @@ from deepspeed.accelerator import get_accelerator
 from truneg.data.blocks import ensure_prepared, load_tokenizer, open_prepared, whole_word_problem
 from truneg.data.words import tokenizer_kind
 from truneg.errors import UserError
-from truneg.model import families, hub
+from truneg.model import hub
 from truneg.model.compile import compile_layers
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, checkpoint_activations, parameter_groups
 from truneg.synonyms.sources import build_from_embeddings, wordnet_for_vocab
@@ -105,9 +105,6 @@ def check_start(cfg: RunConfig, world_size: int, phase1: phases.Phase1 | None = 
     if jit_op and get_accelerator().device_name() != "cpu":
         distributed.refuse_stale_build_lock(jit_op)  # built on each node on first use, in its node-local folder
     tokenizer = load_tokenizer(cfg.tokenizer)
-    if cfg.init_from and (problem := families.tokenizer_problem(cfg.init_from, cfg.tokenizer, tokenizer)
-                          or families.length_problem(cfg.init_from, cfg.seq_len)):
-        raise UserError(problem)
     if cfg.whole_word_masking and (problem := whole_word_problem(tokenizer, cfg.tokenizer, cfg.train_data,
                                                                  cfg.seq_len)):
         raise UserError(problem)

@@ -24,7 +24,7 @@ from truneg.data.blocks import is_prepared, prepared_seq_len
 from truneg.data.corpus import is_hf, resolve_text_files
 from truneg.data.masking import DEFAULT_RATE, capped_rate, default_max_predictions
 from truneg.errors import UserError, check_output_path
-from truneg.model import hub
+from truneg.model import families, hub
 from truneg.model.presets import (
     DEFAULT_PRESET,
     VOCAB_SIZE,
@@ -34,6 +34,7 @@ from truneg.model.presets import (
 )
 from truneg.train.config import ds_config, memory
 from truneg.train.config.ds_config import GPU_ARCH_ENV, GPU_ARCHS
+from truneg.train.config.run_config import tokenizer_of
 
 # The torch wheels that carry each generation's kernels (pytorch/pytorch#172352: 2.11 dropped sm_70 from
 # the CUDA 12.8 wheels, and the CUDA 13 wheels never had it).
@@ -298,14 +299,16 @@ def start_problems(args: argparse.Namespace, config: dict, world_size: int, capa
 
 def path_problems(args: argparse.Namespace, nodes: int = 1) -> list[str]:
     """The checkpoint to start from, the output folder and the corpus: checked whatever the config."""
-    problems = []
+    problems, seq_len = [], getattr(args, "seq_len", None)
     for flag, spec in (("--init-from", args.init_from), ("--init-generator", getattr(args, "init_generator", None))):
         if spec and (problem := hub.problem(spec, flag)):
             problems.append(problem)
         elif spec and (folder := hub.folder_or_cached(spec)) and (problem := foreign_model_problem(folder, flag)):
             problems.append(problem)  # (a hub name not cached yet: from_pretrained_with_head, once downloaded)
+        elif spec and flag == "--init-from" and (problem := families.tokenizer_problem(spec, tokenizer_of(args))
+                                                 or seq_len and families.length_problem(spec, seq_len)):
+            problems.append(problem)
     problems += _check_output_dir(args.output_dir, nodes)
-    seq_len = getattr(args, "seq_len", None)
     problems += _check_corpus(args.train_data, seq_len)
     problems += [f"--eval-data: {p}" for p in _check_corpus(getattr(args, "eval_data", None) or [], seq_len)]
     return problems

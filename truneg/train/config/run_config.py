@@ -84,7 +84,7 @@ class RunConfig:
         values = {f.name: getattr(args, f.name, None) for f in fields(cls)}
         values["train_data"] = list(args.train_data)
         values["output_dir"] = Path(args.output_dir)
-        values["tokenizer"] = args.tokenizer or own_tokenizer(args.init_from) or str(DEFAULT_TOKENIZER)
+        values["tokenizer"] = tokenizer_of(args)
         rate = getattr(args, "mlm_probability", None) or DEFAULT_RATE
         values["max_predictions"] = args.max_predictions or default_max_predictions(args.seq_len, rate)
         values["sr_sent_target"] = args.sr_sent_target or "masked"  # ELECTRA takes the original whatever it says
@@ -113,6 +113,11 @@ class RunConfig:
     @property
     def profile_dir(self) -> Path:
         return self.output_dir / PROFILE
+
+
+def tokenizer_of(args: argparse.Namespace) -> str:
+    """--tokenizer, else an --init-from RoBERTa's or XLM-R's own, else the shipped bert-base-uncased vocab."""
+    return getattr(args, "tokenizer", None) or own_tokenizer(args.init_from) or str(DEFAULT_TOKENIZER)
 
 
 # --profile-steps and --profile-ranks, parsed and checked before any process group (the profiler: profiling.py)
