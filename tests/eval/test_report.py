@@ -269,3 +269,42 @@ def test_the_minilm_pages_tables_rebuild_from_their_kept_files(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for name in ("glue.csv", "glue_paired.csv", "false_negatives.csv"):
         assert (tmp_path / name).read_bytes() == (kept / name).read_bytes(), name
+
+
+def test_false_negatives_against_accuracy_with_wilson_intervals_and_the_papers_bands(tmp_path):
+    """fn-stats' records with their counts are points (accuracy, Iter., Pred.), each with a 95 % interval equal to
+    scipy's Wilson interval; the Pred. band of the paper's BERT-base reads 18.1-19.1 % accuracy off a curve that
+    rises linearly from 0.5 % at 10 % accuracy to 2.5 % at 30 %, and BERT-large's 1.49-1.60 % 19.9-21.0 %; a curve
+    that stays below a band says so with its maximum. Table 2 live's records (no counts) draw no point."""
+    from scipy.stats import binomtest
+
+    from truneg.eval.accuracy_curve import curve_points, implied_accuracy
+    from truneg.eval.report import report
+
+    def record(step, correct, seq_corrected, corrected, masked=1000, sequences=100, mismatched=None):
+        mismatched = masked - correct if mismatched is None else mismatched
+        return {"checkpoint": f"global_step{step}", "step": step, "sequences": sequences, "masked": masked,
+                "mismatched": mismatched, "corrected": corrected, "sequences_corrected": seq_corrected,
+                "mlm_correct": correct, "iter_ratio": seq_corrected / sequences, "pred_ratio": corrected / mismatched,
+                "mlm_accuracy": correct / masked}
+
+    # accuracy 10 % (900 mismatches, 4.5 corrected: 0.5 %) and 30 % (700, 17.5: 2.5 %), as counts of 2,000 positions
+    head = [record(10, 200, 3, 9, masked=2000, mismatched=1800), record(20, 600, 9, 35, masked=2000, mismatched=1400)]
+    write(tmp_path / "head" / "fn_stats.json", head)
+    write(tmp_path / "low" / "fn_stats.json", [record(5, 50, 1, 2)])
+    written = report([f"head={tmp_path / 'head'}", f"low={tmp_path / 'low'}"], tmp_path / "out")
+    assert tmp_path / "out" / "false_negatives_accuracy.png" in written
+    points = curve_points({"head": head})
+    for point, counts in zip(points, head):
+        for key, (hits, trials) in (("accuracy", ("mlm_correct", "masked")), ("pred", ("corrected", "mismatched")),
+                                    ("iter", ("sequences_corrected", "sequences"))):
+            reference = binomtest(counts[hits], counts[trials]).proportion_ci(0.95, method="wilson")
+            assert point[f"{key}_low"] == pytest.approx(100 * reference.low, abs=1e-9)
+            assert point[f"{key}_high"] == pytest.approx(100 * reference.high, abs=1e-9)
+    assert implied_accuracy(points, (1.31, 1.41)) == "18.1-19.1 % MLM accuracy"
+    assert implied_accuracy(points, (1.49, 1.60)) == "19.9-21.0 % MLM accuracy"
+    assert implied_accuracy(points[:1], (1.31, 1.41)) == "beyond the measured range (maximum 0.50 % at 10.0 % accuracy)"
+    page = (tmp_path / "out" / "false_negatives_accuracy.md").read_text()
+    assert "| head | 10 | 10.00 [" in page and "- BERT-base (Pred. 1.31-1.41 %): 18.1-19.1 % MLM accuracy" in page
+    assert "which the paper does not state" in page
+    assert curve_points({"live": [{"step": 8, "sequences": 10, "iter_ratio": 0.1, "pred_ratio": 0.0}]}) == []

@@ -24,6 +24,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from truneg.errors import UserError
+from truneg.eval.accuracy_curve import curve_points, write_curve
 from truneg.eval.figures import save_with_footer
 from truneg.eval.live_report import check_one_table, fn_stats_rows, live_evaluations, write_eval
 from truneg.eval.paired import gather_robustness, paired, write_glue_paired, write_robustness
@@ -292,6 +293,8 @@ def report(arguments: list[str], out: str | Path, tasks: list[str] | None = None
         written += write_robustness(robustness, out, footer, baseline)
     if found.fn_runs:
         written += write_fn(fn_rows(found), out, footer)
+        if points := curve_points(found.fn_runs):  # fn-stats' records (with their counts): against accuracy
+            written += write_curve(points, out, footer)
     if found.eval_runs:
         written += write_eval(found.eval_runs, out, footer)
     return written
