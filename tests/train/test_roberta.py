@@ -15,17 +15,18 @@ from conftest import (
     MAX_STEPS,
     REPO,
     SAVE_STEPS,
+    assert_resumed_as_the_reference,
     cli_in_process,
     comparable,
     deepspeed_cmd,
+    finished,
     free_port,
     hub_snapshot,
-    kill_group,
     read_metrics,
-    resume_and_match,
     roberta_folder,
     run,
-    start,
+    start_as_mpirun,
+    started_as_mpirun,
     wait_for,
 )
 from torch._dynamo.utils import counters
@@ -148,9 +149,9 @@ def test_roberta_takes_its_recipe_and_its_own_vocabulary_in_the_memory_estimate(
 def test_two_ranks_continue_a_roberta_with_hc_and_sr_resume_bitwise_after_kill_9_and_export(hub, tmp_path,
                                                                                             launch_env, small_corpus):
     """`--init-from` a hub name of a RoBERTa, offline, its own tokenizer the default: 2 ranks at ZeRO-2 with HC (a
-    table of the byte-level vocab's frequent words, so that it corrects) and word-level SR. Killed (SIGKILL, launcher
-    and ranks) as its step-16 checkpoint is written, the same command resumes and every loss and evaluation equals
-    the unbroken run's. The export loads as a RobertaForMaskedLM with the run's fp32 weights, its tokenizer and the
+    table of the byte-level vocab's frequent words, so that it corrects) and word-level SR. Killed (SIGKILL, both
+    ranks) as its step-16 checkpoint is written, the same command resumes and every loss and evaluation equals the
+    unbroken run's. The export loads as a RobertaForMaskedLM with the run's fp32 weights, its tokenizer and the
     checkpoint's pooler, bitwise; `truneg eval` of the checkpoints gives the live evaluations, and fn-stats counts the
     export as its tag."""
     cache, folder, tokenizer = hub
@@ -174,17 +175,21 @@ def test_two_ranks_continue_a_roberta_with_hc_and_sr_resume_bitwise_after_kill_9
     assert all(r["loss"] == pytest.approx(r["mlm_loss"] + r["sr_loss"], rel=1e-5) for r in reference)
     assert reference_evals[-1]["eval_mlm_loss"] < reference_evals[0]["eval_mlm_loss"]
 
+    # the killed run and its resume started as mpirun starts ranks (no launcher to pay for)
     out = tmp_path / "killed"
-    launched = start(deepspeed_cmd(*args(out), port=free_port()), env, tmp_path / "killed.log")
+    ranks = start_as_mpirun(env, free_port(), [args(out)] * 2)
     try:
-        hit = wait_for(lambda: launched.poll() is not None or (out / "checkpoints" / "global_step16").is_dir(),
-                       timeout=240, interval=0.002)
+        hit = wait_for(lambda: any(r.poll() is not None for r in ranks)
+                       or (out / "checkpoints" / "global_step16").is_dir(), timeout=240, interval=0.002)
     finally:
-        kill_group(launched, signal.SIGKILL)
-        launched.wait(timeout=60)
-    assert hit and launched.returncode != 0, (tmp_path / "killed.log").read_text()[-3000:]
+        for rank in ranks:
+            rank.send_signal(signal.SIGKILL)
+        outputs = finished(ranks)
+    assert hit and all(r.returncode == -signal.SIGKILL for r in ranks), outputs[0][-3000:]
     resumed_from = int((out / "checkpoints" / "latest").read_text().removeprefix("global_step"))
-    resume_and_match(args(out), out, resumed_from, reference, env, reference_evals)
+    codes, outputs = started_as_mpirun(env, free_port(), [args(out)] * 2)
+    assert codes == [0, 0], outputs[0][-3000:]
+    assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference, reference_evals)
 
     from safetensors.torch import load_file
     from transformers import AutoModelForMaskedLM, AutoTokenizer

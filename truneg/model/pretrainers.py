@@ -23,6 +23,7 @@ from transformers import BertConfig, BertForMaskedLM, ElectraConfig, ElectraForM
 from truneg.errors import UserError
 from truneg.model import families
 from truneg.model.carried import load_pooler
+from truneg.model.head import is_untied, one_live_bias
 from truneg.model.objectives import (
     DISCRIMINATOR_WEIGHT,
     discriminator_loss,
@@ -127,6 +128,7 @@ class BertPretrainer(_Pretrainer):
     masked positions, with optional HC and SR. RoBERTa's masking is BERT's (15 %, 80/10/10)."""
 
     scheme = "bert"
+    encoder_frozen = False  # --train-only head (head.py): the encoder stays in eval mode
 
     def __init__(self, mlm: nn.Module, objective: ObjectiveConfig, pooler: dict[str, torch.Tensor] | None = None):
         super().__init__()
@@ -139,6 +141,12 @@ class BertPretrainer(_Pretrainer):
     @property
     def word_embeddings(self) -> nn.Embedding:
         return self.mlm.base_model.embeddings.word_embeddings
+
+    def train(self, mode: bool = True) -> BertPretrainer:
+        super().train(mode)
+        if self.encoder_frozen:  # a frozen encoder is a fixed feature extractor: no dropout
+            self.mlm.base_model.eval()
+        return self
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return families.encode(self.mlm, input_ids, attention_mask)
@@ -325,6 +333,8 @@ def _continued(preset: str | None, root: Path, objective: ObjectiveConfig, gener
         config = discriminator.config
     else:
         mlm, unexpected = from_pretrained_with_head(families.mlm_class(model_type(root)), root, new_head=new_head)
+        if is_untied(mlm):  # an untied checkpoint (a head stage's export): it continues untied, with one live bias
+            one_live_bias(mlm)
         model = BertPretrainer(mlm, objective, pooler=load_pooler(root, mlm.config, unexpected, mlm.base_model_prefix))
         if new_head and os.environ.get("RANK", "0") == "0":
             print(f"truneg: --new-head: {root} has no MLM head; its transform (dense, LayerNorm) and bias start as HF "

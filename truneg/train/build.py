@@ -16,6 +16,7 @@ from truneg.data.words import tokenizer_kind
 from truneg.errors import UserError
 from truneg.model import hub
 from truneg.model.compile import compile_layers
+from truneg.model.head import freeze_all_but_the_head, untie_decoder
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer, checkpoint_activations, parameter_groups
 from truneg.synonyms.sources import build_from_embeddings, wordnet_for_vocab
 from truneg.synonyms.table import WORD_STARTS, SynonymLookup, SynonymTable
@@ -249,6 +250,10 @@ def build_model(cfg: RunConfig, table: SynonymTable | None, vocab_size: int,
     folders = {field: init[field].path if field in init else getattr(cfg, field) for field in INIT_FLAGS}
     model = build_pretrainer(cfg.model, objective, folders["init_from"], cfg.dropout, vocab_size,
                              init_generator=folders["init_generator"], new_head=cfg.new_head)
+    if cfg.untie_decoder:
+        untie_decoder(model.mlm)
+    if cfg.train_only == "head":
+        freeze_all_but_the_head(model)
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
     return model

@@ -33,25 +33,33 @@ if TYPE_CHECKING:
 PARTS = {"mlm": None, "generator": ElectraForMaskedLM, "discriminator": ElectraForPreTraining}
 TOKENIZER_DIR = "tokenizer"
 POOLER_FILE = "pooler.safetensors"  # beside the configs: a continued BERT's pooler as loaded (model/carried.py)
+# beside the configs: the frozen parameters of a --train-only head run in fp32 as the run started (every name of
+# each, tied ones too), which zero_to_fp32 omits at ZeRO-1, BF16_Optimizer's partitions never hold, and a bf16 or
+# fp16 model file holds rounded
+FROZEN_FILE = "frozen.safetensors"
 
 
 def save_hf_configs(model: nn.Module, checkpoint_dir: Path, tokenizer: PreTrainedTokenizerBase,
                     resumed: bool = False) -> None:
     """Write the HF config of each part and the run's tokenizer, so export can rebuild the classes without
-    the training flags and ship the vocab the model was trained on. A continued BERT's pooler is written at a
-    start from its checkpoint; a resume (`resumed`) keeps the one its run started from."""
+    the training flags and ship the vocab the model was trained on. A continued BERT's pooler, and the frozen
+    parameters (`--train-only head`), are written at a start (before the engine partitions or casts anything); a
+    resume (`resumed`) keeps those its run started from."""
     for part in PARTS:
         if hasattr(model, part):
             getattr(model, part).config.save_pretrained(checkpoint_dir / HF_CONFIG_DIR / part)
     folder = checkpoint_dir / HF_CONFIG_DIR / TOKENIZER_DIR
     save_tokenizer(tokenizer, Path(tokenizer.name_or_path), folder)
-    pooler, saved = getattr(model, "pooler", None), checkpoint_dir / HF_CONFIG_DIR / POOLER_FILE
-    if not resumed:  # never an earlier start's (one stopped before its first checkpoint, from another commit)
-        saved.unlink(missing_ok=True)
-    if pooler is not None and not saved.is_file():
-        partial = saved.with_suffix(".tmp")  # a kill mid-write leaves no pooler file that a resume would keep
-        save_file(pooler, partial)
-        partial.replace(saved)
+    frozen = {name: value.detach().float().cpu().clone() for name, value in model.state_dict(keep_vars=True).items()
+              if isinstance(value, nn.Parameter) and not value.requires_grad}
+    for tensors, saved in ((getattr(model, "pooler", None), checkpoint_dir / HF_CONFIG_DIR / POOLER_FILE),
+                           (frozen or None, checkpoint_dir / HF_CONFIG_DIR / FROZEN_FILE)):
+        if not resumed:  # never an earlier start's (one stopped before its first checkpoint, from another commit)
+            saved.unlink(missing_ok=True)
+        if tensors is not None and not saved.is_file():
+            partial = saved.with_suffix(".tmp")  # a kill mid-write leaves no file that a resume would keep
+            save_file(tensors, partial)
+            partial.replace(saved)
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, source: Path, folder: Path) -> None:
@@ -79,7 +87,11 @@ def load_parts(checkpoint_path: str | Path) -> tuple[dict, int]:
     else:  # the pre-trainer's `mlm.` keys onto a bare masked LM
         holder = nn.Module()
         holder.mlm = parts["mlm"]
-    load_into(holder, fp32_state_dict(checkpoint_dir, tag), str(checkpoint_dir / tag))
+    weights = fp32_state_dict(checkpoint_dir, tag)
+    frozen = checkpoint_dir / HF_CONFIG_DIR / FROZEN_FILE
+    if frozen.is_file():  # a --train-only head run's frozen weights, in fp32 as they started: bitwise
+        weights.update(load_file(frozen))
+    load_into(holder, weights, str(checkpoint_dir / tag))
     return parts, checkpoint.step_of_tag(tag)
 
 
@@ -184,7 +196,8 @@ def _bf16_optimizer_weights(states: dict, partitions: list[dict]) -> dict:
     weights.update({name: value.float() if value.is_floating_point() else value
                     for name, value in states["module"].items() if name in states["buffer_names"]})
     for name, shared in states["shared_params"].items():
-        weights[name] = weights[shared]
+        if shared in weights:  # (a frozen one is not in the partitions: the run's frozen file holds it)
+            weights[name] = weights[shared]
     return weights
 
 

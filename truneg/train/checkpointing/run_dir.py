@@ -44,6 +44,8 @@ def run_identity(cfg: RunConfig, ds_config: dict, parts: dict) -> dict:
         **({"new_head": True} if cfg.new_head else {}),  # (only when set: earlier runs still resume)
         **({"reset_optimizer": True} if cfg.reset_optimizer else {}),
         **({"whole_word_masking": True} if cfg.whole_word_masking else {}),
+        **({"train_only": cfg.train_only} if cfg.train_only else {}),
+        **({"untie_decoder": True} if cfg.untie_decoder else {}),
     }
 
 
@@ -84,6 +86,13 @@ def _same_run(previous: dict | None, identity: dict) -> tuple[bool, list[str]]:
     return _resolved(previous) == _resolved(trimmed), missing
 
 
+def _differing(previous: dict, identity: dict) -> list[str]:
+    """The fields in which a recorded run and this one differ (a field only one of them has counts)."""
+    old, new = _resolved(previous), _resolved({k: v for k, v in identity.items() if k in previous or k not in
+                                               LATER_FIELDS})
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+
+
 def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
     """Refuse an --output-dir holding another run's checkpoints unless --overwrite; record this run."""
     out = cfg.output_dir
@@ -117,9 +126,11 @@ def claim_output_dir(cfg: RunConfig, identity: dict, rank: int) -> None:
                         "--output-dir")
     if (different and has_checkpoints or fresh_start) and not cfg.overwrite:
         what = "another run's checkpoints" if different else "checkpoints of this run"
+        differ = _differing(previous, identity) if different and previous is not None else []
         raise UserError(
             f"{out} holds {what}; resume it with --resume auto and the same arguments, choose another "
             "--output-dir, or pass --overwrite to delete them"
+            + (f" (its {RUN_FILE} differs in {', '.join(differ)})" if differ else "")
         )
     if missing and has_checkpoints and rank == 0:
         print(f"truneg: warning: {run_file} predates the fields {', '.join(missing)}; resuming it as the same run",

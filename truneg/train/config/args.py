@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="BERT: --init-from is an encoder without the MLM head (a BertModel, a "
                              "sentence-transformers model); the head starts as HF initialises it, its decoder tied "
                              "to the loaded embeddings")
+    parser.add_argument("--train-only", choices=["head"],
+                        help="head: train the MLM head alone, the encoder (and the word embeddings) frozen and run "
+                             "without dropout; BERT's or RoBERTa's, without --sr (docs/pretraining.md#the-head-stage)")
+    parser.add_argument("--untie-decoder", action="store_true",
+                        help="the MLM head's decoder becomes a copy of the word embeddings, trained apart from them "
+                             "(exported with tie_word_embeddings false; a checkpoint so exported continues untied)")
     parser.add_argument("--phase1-checkpoint", metavar="RUN[/checkpoints[/TAG]]",
                         help="BERT's phase 2 (e.g. seq 512 after 128): start from this phase-1 run's checkpoint (its "
                              "`latest`, or the tag), carrying weights and optimizer moments, with a fresh LR schedule, "
@@ -194,6 +200,22 @@ def masking_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def head_stage_problems(args: argparse.Namespace) -> list[str]:
+    """--train-only head and --untie-decoder: what they cannot go with (one line each)."""
+    problems = []
+    if (args.train_only or args.untie_decoder) and _is_electra_run(args):
+        flag = "--train-only head" if args.train_only else "--untie-decoder"
+        problems.append(f"{flag} is for a BERT's (RoBERTa's) MLM head; ELECTRA's generator, its MLM, is trained with "
+                        "its discriminator: drop the flag")
+    if args.train_only and args.sr != "none":
+        problems.append(f"--sr {args.sr} with --train-only head: SR reaches the word embeddings and the encoder, both "
+                        "frozen in the head stage; train the head on the baseline objective (drop --sr)")
+    if args.train_only and args.dropout is not None:
+        problems.append("--dropout with --train-only head: the frozen encoder runs without dropout and its config "
+                        "keeps its own; drop --dropout")
+    return problems
+
+
 def argument_problems(args: argparse.Namespace) -> list[str]:
     """One line per argument out of range (shared with `truneg preflight`, which lists them all)."""
     # (--micro-batch-size and --gradient-accumulation-steps are checked with the config's own values, in
@@ -239,6 +261,7 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--new-head starts the MLM head a checkpoint lacks: pass --init-from the checkpoint")
     elif args.new_head and _is_electra_run(args):
         problems.append("--new-head starts a BERT's MLM head; ELECTRA's generator is its MLM: drop --new-head")
+    problems += head_stage_problems(args)
     if args.peak_tflops is not None and (problem := out_of_range(args.peak_tflops, 0, low_open=True)):
         problems.append(f"--peak-tflops {problem}")
     problems += profile_problems(args.profile_steps, args.profile_ranks, args.max_steps)

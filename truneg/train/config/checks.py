@@ -117,7 +117,7 @@ def memory_micro_cap(args: argparse.Namespace, path: str | Path, capability, mem
                                                                   or DEFAULT_RATE)
     micro, line = memory.micro_for_memory(memory_gib, preset, precision, args.seq_len, predictions, args.sr,
                                           bool(getattr(args, "activation_checkpointing", False)),
-                                          effective_vocab_size(args))
+                                          effective_vocab_size(args), getattr(args, "train_only", None) == "head")
     return micro, [line]
 
 

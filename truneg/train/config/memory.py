@@ -5,6 +5,9 @@ The estimate (GiB = 2**30 bytes, as torch reports a GPU's memory):
   - weights, gradients and optimizer states, per parameter: bf16 (ZeRO-1, fp32 gradient accumulation) 2 bf16
     weights + 2 bf16 gradients + 4 fp32 accumulated gradients + 12 fp32 master and two moments = 20 bytes; fp16
     (ZeRO-2, LAMB at ZeRO-0) 16; fp32 16. Counted unpartitioned, as on one GPU: ZeRO's shards only lower it.
+  - with --train-only head only the head's parameters hold gradients and optimizer states; the frozen ones hold
+    their weights alone (2 bytes in half precision, 4 in fp32), and the frozen encoder saves no activations (one
+    layer's at a time).
   - activations, per sample: ACTIVATION_BYTES per token, hidden unit and layer of each encoder pass (Korthikanti
     et al. count 34 bytes in half precision without attention scores, which SDPA's flash kernel never stores;
     measured on one H200, BERT-large HC+SR at micro 64, seq 128, bf16: 17.0 GiB at its peak, 2026-11-30, which
@@ -21,6 +24,7 @@ import os
 
 import torch
 
+from truneg.model.head import head_prefix
 from truneg.model.presets import BERT_PRESETS, ELECTRA_PRESETS, VOCAB_SIZE, is_electra
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
 
@@ -42,18 +46,23 @@ def local_memory_gib() -> float | None:
 
 
 @functools.cache
-def parameter_count(preset: str, vocab_size: int = VOCAB_SIZE) -> int:
+def parameter_count(preset: str, vocab_size: int = VOCAB_SIZE, head_only: bool = False) -> int:
     """Trainable parameters of a preset (shared embeddings once) at a vocabulary size (an --init-from's own: a
-    RoBERTa's 50k rows, XLM-R's 250k), built on the meta device: no memory."""
+    RoBERTa's 50k rows, XLM-R's 250k), built on the meta device: no memory. `head_only`: the MLM head's alone
+    (--train-only head, its decoder tied)."""
     with torch.device("meta"):
         model = build_pretrainer(preset, ObjectiveConfig(), vocab_size=vocab_size)
+    if head_only:  # (named once each: the tied decoder under the word embeddings' name)
+        return sum(p.numel() for name, p in model.named_parameters() if name.startswith(head_prefix(model)))
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int,
-                 sr: str = "none", checkpointing: bool = False, vocab_size: int = VOCAB_SIZE) -> tuple[float, float]:
+def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int, sr: str = "none",
+                 checkpointing: bool = False, vocab_size: int = VOCAB_SIZE, head_only: bool = False
+                 ) -> tuple[float, float]:
     """(weights and optimizer states, activations per sample) in GiB for one GPU; `checkpointing`: with
-    --activation-checkpointing; `vocab_size`: the model's rows (the preset's sizes, a checkpoint's vocabulary)."""
+    --activation-checkpointing; `vocab_size`: the model's rows (the preset's sizes, a checkpoint's vocabulary);
+    `head_only`: --train-only head (a tied decoder)."""
     if is_electra(preset):
         encoders = [(s["num_hidden_layers"], s["hidden_size"]) for s in ELECTRA_PRESETS[preset]]
         extra = [encoders[0]] if sr == "sent" else []  # SR_Sent: the discriminator encodes the original too
@@ -64,19 +73,28 @@ def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int
     scale = 2 if precision == "fp32" else 1
     tokens = sum(layers * hidden for layers, hidden in encoders + extra) * seq_len
     head = max_predictions * vocab_size
-    if checkpointing:  # every layer's input, and one layer's activations during its recompute
+    if head_only:  # the frozen encoder keeps nothing for a backward: one layer's activations at a time
+        layers = ACTIVATION_BYTES * max(hidden for _, hidden in encoders) * seq_len
+    elif checkpointing:  # every layer's input, and one layer's activations during its recompute
         layers = INPUT_BYTES * tokens + ACTIVATION_BYTES * max(hidden for _, hidden in encoders) * seq_len
     else:
         layers = ACTIVATION_BYTES * tokens
     per_sample = scale * (layers + HEAD_BYTES * head)
-    return parameter_count(preset, vocab_size) * STATE_BYTES[precision] / 2**30, per_sample / 2**30
+    total = parameter_count(preset, vocab_size)
+    if not head_only:
+        return total * STATE_BYTES[precision] / 2**30, per_sample / 2**30
+    trained = parameter_count(preset, vocab_size, head_only=True)
+    weight_bytes = 4 if precision == "fp32" else 2
+    return (trained * STATE_BYTES[precision] + (total - trained) * weight_bytes) / 2**30, per_sample / 2**30
 
 
 def micro_for_memory(memory_gib: float, preset: str, precision: str, seq_len: int, max_predictions: int,
-                     sr: str = "none", checkpointing: bool = False, vocab_size: int = VOCAB_SIZE) -> tuple[int, str]:
+                     sr: str = "none", checkpointing: bool = False, vocab_size: int = VOCAB_SIZE,
+                     head_only: bool = False) -> tuple[int, str]:
     """The largest power-of-two micro-batch (at most MAX_MICRO, at least 1) whose estimate fits the GPU, and a line
     with the estimate."""
-    static, per_sample = estimate_gib(preset, precision, seq_len, max_predictions, sr, checkpointing, vocab_size)
+    static, per_sample = estimate_gib(preset, precision, seq_len, max_predictions, sr, checkpointing, vocab_size,
+                                      head_only)
     budget = USABLE * memory_gib - HEADROOM_GIB
     micro = MAX_MICRO
     while micro > 1 and static + micro * per_sample > budget:
@@ -84,5 +102,5 @@ def micro_for_memory(memory_gib: float, preset: str, precision: str, seq_len: in
     line = (f"micro-batch at most {micro} for {memory_gib:g} GiB of GPU memory (estimate "
             f"{static + micro * per_sample:.1f} GiB of {budget:.1f} usable: weights and optimizer states {static:.1f} "
             f"GiB + {per_sample:.3f} GiB a sample at seq {seq_len}"
-            f"{', activation checkpointing' if checkpointing else ''})")
+            f"{', activation checkpointing' if checkpointing else ''}{', the head alone' if head_only else ''})")
     return micro, line

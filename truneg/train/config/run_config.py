@@ -30,6 +30,8 @@ class RunConfig:
     init_from: str | None
     init_generator: str | None  # ELECTRA's generator beside --init-from's discriminator
     new_head: bool  # BERT: --init-from lacks the MLM head, which starts as HF initialises it
+    train_only: str | None  # "head": the MLM head alone, the encoder frozen (model/stages.py)
+    untie_decoder: bool  # the decoder a copy of the word embeddings, trained apart
     dropout: float | None  # None: 0.1 for a fresh model, the checkpoint's own with --init-from
     hc: str
     hc_embeddings: str | None

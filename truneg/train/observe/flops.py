@@ -12,6 +12,8 @@ The pre-trainers as they run:
   only at the `max_predictions` gathered positions of each sequence, padding slots included.
 - ELECTRA: the generator and the discriminator each, with their embedding projections where the embedding is
   narrower than the encoder; the generator's head at the gathered positions, the discriminator's at every one.
+- `--train-only head`: the frozen encoder runs its forward alone (nothing needs its gradients), and only the head
+  counts a training step's 3 forwards (its transform's input gradient, which nothing needs either, counted too).
 - SR_Sent's extra encoder passes count as model FLOPs: they are forwards of the encoder being trained, and their
   gradients flow back through it (bert-base at seq 128: 1.96x the baseline's FLOPs at the default target, 2.92x
   with `--sr-sent-target original`; electra-base 1.86x, its one discriminator pass). An SR_Sent run's MFU is then
@@ -97,8 +99,11 @@ def forward_flops(sizes: dict[str, EncoderSize], seq_len: int, max_predictions: 
 
 
 def train_flops(sizes: dict[str, EncoderSize], seq_len: int, max_predictions: int, sr: str = "none",
-                sr_sent_target: str = "masked") -> float:
-    """FLOPs of one training sample: forward and backward."""
+                sr_sent_target: str = "masked", head_only: bool = False) -> float:
+    """FLOPs of one training sample: forward and backward (`head_only`: the encoder's forward, the head's three)."""
+    if head_only:
+        bert = sizes["bert"]
+        return encoder_flops(bert, seq_len) + TRAINING_FACTOR * bert_head_flops(bert, max_predictions)
     return TRAINING_FACTOR * forward_flops(sizes, seq_len, max_predictions, sr, sr_sent_target)
 
 
@@ -113,7 +118,8 @@ def model_sizes(model: BertPretrainer | ElectraPretrainer) -> dict[str, EncoderS
 def model_train_flops(model: BertPretrainer | ElectraPretrainer, seq_len: int, max_predictions: int) -> float:
     """FLOPs of one training sample of this pre-trainer, with its own objective (SR_Sent's passes)."""
     objective = model.objective
-    return train_flops(model_sizes(model), seq_len, max_predictions, objective.sr, objective.sr_sent_target)
+    return train_flops(model_sizes(model), seq_len, max_predictions, objective.sr, objective.sr_sent_target,
+                       head_only=getattr(model, "encoder_frozen", False))
 
 
 def preset_sizes(preset: str) -> dict[str, EncoderSize]:
