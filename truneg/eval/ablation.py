@@ -222,6 +222,8 @@ class Stages:
 
 def format_table(scores: dict[str, dict[str, float]], tasks: list[str]) -> str:
     """Per variant each task's median score, the average and the change against the baseline (if it ran)."""
+    if not tasks:
+        return f"no GLUE task fine-tuned (--tasks ''): {', '.join(scores)} pre-trained and counted by fn-stats"
     header = f"{'variant':<13}" + "".join(f"{t:>9}" for t in tasks) + f"{'avg':>9}{'Δ avg':>9}"
     lines = [header, "-" * len(header)]
     base = scores.get("baseline")

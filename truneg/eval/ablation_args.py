@@ -84,7 +84,8 @@ def add_parser(commands, func) -> None:
                     help="fn-stats' text (default: WikiText-2's validation split in ../shared/data)")
     fn.add_argument("--fn-max-sequences", type=int_at_least(1), help="fn-stats: stop after this many sequences")
     tune = parser.add_argument_group("fine-tuning (flags not given: the model's published recipe)")
-    tune.add_argument("--tasks", default="rte,mrpc", help="GLUE tasks, comma-separated (default: rte,mrpc)")
+    tune.add_argument("--tasks", default="rte,mrpc", help="GLUE tasks, comma-separated (default: rte,mrpc; '': none, "
+                      "the variants pre-trained and counted by fn-stats only)")
     tune.add_argument("--glue-dir", default=str(SHARED_DATA / "glue"),
                       help="GLUE's task folders (RTE/, MRPC/, ...; default: ../shared/data/glue beside this repo)")
     tune.add_argument("--finetune-seeds", type=parse_seeds, default=[1, 2, 3, 4, 5], metavar="S1,S2,...",
