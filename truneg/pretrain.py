@@ -21,7 +21,7 @@ from truneg.errors import exit_on_user_error  # noqa: E402  (after the sys.path 
 from truneg.model.pretrainers import architecture  # noqa: E402
 from truneg.train import build, heldout, loop  # noqa: E402
 from truneg.train.checkpointing import checkpoint, run_dir  # noqa: E402
-from truneg.train.checkpointing.export import save_hf_configs  # noqa: E402
+from truneg.train.checkpointing.export import frozen_weights, save_hf_configs  # noqa: E402
 from truneg.train.ranks import distributed  # noqa: E402
 
 
@@ -53,12 +53,13 @@ def main(argv: list[str] | None = None) -> None:
                                                            **(start.phase1.run_record() if start.phase1 else {})})
     run_dir.claim_output_dir(cfg, identity, rank)
     tag = checkpoint.prepare_universal(start.resume, world_size) if start.resume else None
-    if rank == 0:  # the configs for the export, and the frozen weights while they are whole and in fp32
-        save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer, resumed=start.resume is not None)
-        heldout.save_eval_table(cfg, start)
+    frozen = frozen_weights(model) if rank == 0 else {}  # (--train-only head's, while whole and in fp32)
 
     # 5. The DeepSpeed engine (ZeRO, precision, optimizer and scheduler from the config).
     engine = build.build_engine(cfg, model, start.ds_config)
+    if rank == 0:
+        save_hf_configs(model, cfg.checkpoint_dir, start.tokenizer, resumed=start.resume is not None, frozen=frozen)
+        heldout.save_eval_table(cfg, start)
 
     # 6. Resume: weights, optimizer, scheduler, step, data position and RNG states (phase 2's start: the phase-1
     #    tag's weights, optimizer and counters, all else fresh).

@@ -304,6 +304,9 @@ def test_false_negatives_against_accuracy_with_wilson_intervals_and_the_papers_b
     assert implied_accuracy(points, (1.31, 1.41)) == "18.1-19.1 % MLM accuracy"
     assert implied_accuracy(points, (1.49, 1.60)) == "19.9-21.0 % MLM accuracy"
     assert implied_accuracy(points[:1], (1.31, 1.41)) == "beyond the measured range (maximum 0.50 % at 10.0 % accuracy)"
+    assert implied_accuracy(points[:1], (0.4, 0.6)) == "10.0 % MLM accuracy"  # a single point inside the band
+    assert implied_accuracy(points, (0.4, 0.6)) == "10.0-11.0 % MLM accuracy"  # from inside the band to above it
+    assert implied_accuracy(points, (0.1, 0.2)).startswith("below the measured range")
     page = (tmp_path / "out" / "false_negatives_accuracy.md").read_text()
     assert "| head | 10 | 10.00 [" in page and "- BERT-base (Pred. 1.31-1.41 %): 18.1-19.1 % MLM accuracy" in page
     assert "which the paper does not state" in page

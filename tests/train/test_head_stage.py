@@ -161,10 +161,14 @@ def test_the_frozen_encoder_runs_without_dropout_and_counts_no_backward_nor_opti
     assert not model.mlm.bert.training and model.mlm.cls.training
     assert all(not m.training for m in model.mlm.bert.modules()) and model.mlm.config.hidden_dropout_prob == 0.1
     size = model_sizes(model)["bert"]
-    assert model_train_flops(model, 64, 12) == encoder_flops(size, 64) + 3 * bert_head_flops(size, 12)
+    # the head's backward: the transform's weight gradient, the tied decoder's input gradient: 2 forwards' worth
+    assert model_train_flops(model, 64, 12) == encoder_flops(size, 64) + 2 * bert_head_flops(size, 12)
     full, head = (estimate_gib("bert-base", "bf16", 128, 20, head_only=h) for h in (False, True))
     trained, total = parameter_count("bert-base", head_only=True), parameter_count("bert-base")
     assert trained == 768 * 768 + 768 + 2 * 768 + 30522  # the transform, its LayerNorm, the bias
+    # an untied decoder: its 30,522 x 768 weights more, in the model and among what trains
+    assert parameter_count("bert-base", untied=True) - total == 30522 * 768
+    assert parameter_count("bert-base", head_only=True, untied=True) - trained == 30522 * 768
     assert head[0] == pytest.approx((trained * STATE_BYTES["bf16"] + (total - trained) * 2) / 2**30, rel=1e-12)
     # one layer's activations at a time, not twelve layers' saved; the head's logits as before
     assert head[1] == pytest.approx((ACTIVATION_BYTES * 768 * 128 + HEAD_BYTES * 20 * 30522) / 2**30, rel=1e-12)
@@ -176,6 +180,10 @@ def test_the_frozen_encoder_runs_without_dropout_and_counts_no_backward_nor_opti
     (["--model", "bert-tiny", "--train-only", "head", "--sr", "word"], "--sr word with --train-only head: SR reaches"),
     (["--model", "bert-tiny", "--train-only", "head", "--dropout", "0"], "--dropout with --train-only head"),
     (["--model", "electra-tiny", "--untie-decoder"], "--untie-decoder is for a BERT's (RoBERTa's) MLM head"),
+    (["--model", "bert-tiny", "--train-only", "head"], "which a fresh model has not: pass --init-from"),
+    (["--init-from", "x", "--train-only", "head", "--activation-checkpointing"],
+     "--activation-checkpointing with --train-only head"),
+    (["--init-from", "x", "--train-only", "head", "--phase1-checkpoint", "y"], "--train-only head with --phase1-chec"),
 ])
 def test_what_the_head_stage_cannot_go_with_is_one_line(argv, expected, tmp_path, capsys):
     from truneg.pretrain import main

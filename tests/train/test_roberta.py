@@ -132,13 +132,14 @@ def test_roberta_takes_its_recipe_and_its_own_vocabulary_in_the_memory_estimate(
     from truneg.eval.recipes import ROBERTA_GLUE, model_recipe
     from truneg.train.config import memory
     from truneg.train.config.args import parse_args
-    from truneg.train.config.checks import effective_vocab_size
+    from truneg.train.config.checks import memory_shape
 
     _, folder, _ = hub
     recipe = model_recipe(folder, "glue")
     assert (recipe.lr, recipe.batch_size, recipe.epochs, recipe.warmup_ratio, recipe.source) == (1e-5, 32, 10, 0.06,
                                                                                                 ROBERTA_GLUE)
-    assert effective_vocab_size(parse_args(["--init-from", str(folder)])) == 1000
+    assert memory_shape(parse_args(["--init-from", str(folder)])) == {"vocab_size": 1000, "head_only": False,
+                                                                      "untied": False}
     small, large = (memory.estimate_gib("bert-base", "bf16", 512, 80, vocab_size=v) for v in (30522, 50265))
     # roberta-base's 50,265 rows: 19,743 x (768 + the head's bias) more parameters at 20 bytes, and 80 x 19,743 more
     # logits a sample

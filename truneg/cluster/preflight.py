@@ -33,7 +33,7 @@ from truneg.train.config.args import build_parser as pretrain_parser
 from truneg.train.config.checks import (
     deepspeed_optimizer,
     effective_preset,
-    effective_vocab_size,
+    memory_shape,
     path_problems,
     resolve_config,
     start_problems,
@@ -163,8 +163,8 @@ def run(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"truneg: error: {problem}", file=sys.stderr, flush=True)
         return 2
-    preset, vocab_size, head_only = effective_preset(args), effective_vocab_size(args), args.train_only == "head"
-    params = memory.parameter_count(preset, vocab_size) if preset else None
+    preset, shape = effective_preset(args), memory_shape(args)
+    params = memory.parameter_count(preset, shape["vocab_size"], untied=shape["untied"]) if preset else None
     if hosts:
         print(f"hostfile: {args.hostfile} ({len(hosts)} nodes: {', '.join(f'{h}={s}' for h, s in hosts.items())})")
     for line in choices:
@@ -178,7 +178,7 @@ def run(argv: list[str] | None = None) -> int:
         predictions = args.max_predictions or default_max_predictions(args.seq_len, rate)
         checkpointing = bool(args.activation_checkpointing)
         static, per_sample = memory.estimate_gib(preset, precision, args.seq_len, predictions, args.sr, checkpointing,
-                                                 vocab_size, head_only)
+                                                 **shape)
         print(f"GPU memory estimate: {static + micro * per_sample:.1f} GiB at micro-batch {micro} (weights and "
               f"optimizer states {static:.1f} GiB, unpartitioned, + {per_sample:.3f} GiB a sample"
               f"{', activation checkpointing' if checkpointing else ''})"

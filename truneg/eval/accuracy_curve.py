@@ -4,9 +4,9 @@ Each fn-stats record (a checkpoint of a run) is a point: its argmax MLM accuracy
 share of sequences with a corrected prediction) and its prediction-level ratio (the share of mismatched predictions
 corrected), each with a 95 % Wilson interval over its own counts (masked positions, sequences, mismatches). The
 paper reports no MLM accuracy, so its Table 2 ranges are drawn as horizontal bands, and the accuracy its Pred. band
-implies is read off the measured points by linear interpolation between neighbours in order of accuracy (the first
-crossing of each edge of the band), or said to lie beyond the measured range. Iter. also depends on the masks per
-sequence and on the segmentation, which the paper does not state.
+implies is read off every run's points together by linear interpolation between neighbours in order of accuracy
+(the first stretch of accuracy over which the curve lies in the band), or said to lie beyond the measured range.
+Iter. also depends on the masks per sequence and on the segmentation, which the paper does not state.
 """
 from __future__ import annotations
 
@@ -55,27 +55,32 @@ def curve_points(fn_runs: dict[str, list[dict]]) -> list[dict]:
 
 
 def implied_accuracy(points: list[dict], band: tuple[float, float], key: str = "pred") -> str:
-    """The accuracies at which the measured curve (linear between neighbours in order of accuracy) first reaches
-    each edge of `band`, or why it does not."""
+    """The accuracies at which the measured curve (every run's points together, linear between neighbours in order
+    of accuracy) lies within `band`: its first stretch there, or why there is none."""
     ordered = sorted((p["accuracy"], p[key]) for p in points if p[key] is not None)
     if not ordered:
         return "no measured point"
-
-    def first_crossing(level: float) -> float | None:
-        for (a0, y0), (a1, y1) in zip(ordered, ordered[1:]):
-            if (y0 - level) * (y1 - level) <= 0 and y0 != y1:
-                return a0 + (level - y0) * (a1 - a0) / (y1 - y0)
-        return ordered[0][0] if ordered[0][1] == level else None
-
-    low, high = (first_crossing(level) for level in band)
-    if low is None or high is None:
-        top = max(ordered, key=lambda p: p[1])
-        if top[1] < band[0]:
+    low, high = band
+    stretches = [(a, a) for a, y in ordered[:1] if low <= y <= high]
+    for (a0, y0), (a1, y1) in zip(ordered, ordered[1:]):
+        if y0 == y1:  # flat: inside the band throughout, or nowhere
+            stretches += [(a0, a1)] if low <= y0 <= high else []
+            continue
+        t0, t1 = sorted(((low - y0) / (y1 - y0), (high - y0) / (y1 - y0)))
+        t0, t1 = max(0.0, t0), min(1.0, t1)
+        if t0 <= t1:
+            stretches.append((a0 + t0 * (a1 - a0), a0 + t1 * (a1 - a0)))
+    if not stretches:
+        top = max(ordered, key=lambda point: point[1])
+        if top[1] < low:
             return f"beyond the measured range (maximum {top[1]:.2f} % at {top[0]:.1f} % accuracy)"
-        if low is None:
-            return f"below the measured range (minimum {min(y for _, y in ordered):.2f} %)"
-        return f"from {low:.1f} % accuracy (the band's top edge is not reached)"
-    return f"{min(low, high):.1f}-{max(low, high):.1f} % MLM accuracy"
+        return f"below the measured range (the curve stays above the band, from {min(y for _, y in ordered):.2f} %)"
+    first, last = stretches[0]
+    for begin, end in stretches[1:]:  # the stretches that continue the first one
+        if begin > last + 1e-9:
+            break
+        last = max(last, end)
+    return f"{first:.1f} % MLM accuracy" if last - first < 0.05 else f"{first:.1f}-{last:.1f} % MLM accuracy"
 
 
 def _arms(points: list[dict], key: str) -> list[list[float]]:

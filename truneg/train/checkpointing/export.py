@@ -39,19 +39,23 @@ POOLER_FILE = "pooler.safetensors"  # beside the configs: a continued BERT's poo
 FROZEN_FILE = "frozen.safetensors"
 
 
+def frozen_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen parameters (`--train-only head`) under every name the state dict gives them (tied ones too), in
+    fp32 on the host: taken before the engine partitions or casts them."""
+    return {name: value.detach().float().cpu().clone() for name, value in model.state_dict(keep_vars=True).items()
+            if isinstance(value, nn.Parameter) and not value.requires_grad}
+
+
 def save_hf_configs(model: nn.Module, checkpoint_dir: Path, tokenizer: PreTrainedTokenizerBase,
-                    resumed: bool = False) -> None:
+                    resumed: bool = False, frozen: dict[str, torch.Tensor] | None = None) -> None:
     """Write the HF config of each part and the run's tokenizer, so export can rebuild the classes without
-    the training flags and ship the vocab the model was trained on. A continued BERT's pooler, and the frozen
-    parameters (`--train-only head`), are written at a start (before the engine partitions or casts anything); a
-    resume (`resumed`) keeps those its run started from."""
+    the training flags and ship the vocab the model was trained on. A continued BERT's pooler, and the `frozen`
+    parameters (frozen_weights'), are written at a start; a resume (`resumed`) keeps those its run started from."""
     for part in PARTS:
         if hasattr(model, part):
             getattr(model, part).config.save_pretrained(checkpoint_dir / HF_CONFIG_DIR / part)
     folder = checkpoint_dir / HF_CONFIG_DIR / TOKENIZER_DIR
     save_tokenizer(tokenizer, Path(tokenizer.name_or_path), folder)
-    frozen = {name: value.detach().float().cpu().clone() for name, value in model.state_dict(keep_vars=True).items()
-              if isinstance(value, nn.Parameter) and not value.requires_grad}
     for tensors, saved in ((getattr(model, "pooler", None), checkpoint_dir / HF_CONFIG_DIR / POOLER_FILE),
                            (frozen or None, checkpoint_dir / HF_CONFIG_DIR / FROZEN_FILE)):
         if not resumed:  # never an earlier start's (one stopped before its first checkpoint, from another commit)

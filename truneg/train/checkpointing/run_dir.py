@@ -72,24 +72,31 @@ def _resolved(record: dict) -> dict:
     return out
 
 
-def _same_run(previous: dict | None, identity: dict) -> tuple[bool, list[str]]:
-    if previous is None:
-        return False, []
+def _compared(previous: dict, identity: dict) -> tuple[dict, dict, list[str]]:
+    """The two records as compared (an older record's later fields left out, its masking the family's default),
+    and the later fields it lacks."""
     family = identity.get("architecture", {}).get("family")
     if "masking" not in previous and family in MASK_SCHEMES:  # recorded before the flags: the family's default
         previous = {**previous, "masking": list(MASK_SCHEMES[family])}
     missing = [k for k in LATER_FIELDS if k in identity and k not in previous]
     trimmed = {k: v for k, v in identity.items() if k not in missing}
-    if identity.get("architecture", {}).get("family") == "electra":
+    if family == "electra":
         # --sr-sent-target changes nothing for ELECTRA (refused for it now, recorded by older runs as given)
         previous, trimmed = ({k: v for k, v in r.items() if k != "sr_sent_target"} for r in (previous, trimmed))
-    return _resolved(previous) == _resolved(trimmed), missing
+    return _resolved(previous), _resolved(trimmed), missing
+
+
+def _same_run(previous: dict | None, identity: dict) -> tuple[bool, list[str]]:
+    if previous is None:
+        return False, []
+    old, new, missing = _compared(previous, identity)
+    return old == new, missing
 
 
 def _differing(previous: dict, identity: dict) -> list[str]:
-    """The fields in which a recorded run and this one differ (a field only one of them has counts)."""
-    old, new = _resolved(previous), _resolved({k: v for k, v in identity.items() if k in previous or k not in
-                                               LATER_FIELDS})
+    """The fields in which a recorded run and this one differ, as _same_run compares them (a field only one of them
+    has counts)."""
+    old, new, _ = _compared(previous, identity)
     return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 

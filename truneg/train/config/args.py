@@ -213,6 +213,15 @@ def head_stage_problems(args: argparse.Namespace) -> list[str]:
     if args.train_only and args.dropout is not None:
         problems.append("--dropout with --train-only head: the frozen encoder runs without dropout and its config "
                         "keeps its own; drop --dropout")
+    if args.train_only and args.activation_checkpointing:
+        problems.append("--activation-checkpointing with --train-only head: the frozen encoder keeps nothing for a "
+                        "backward, and HF's checkpointing would make its embeddings' output need one; drop the flag")
+    if args.train_only and not args.init_from and not _is_electra_run(args):
+        problems.append("--train-only head trains a head on a checkpoint's encoder, which a fresh model has not: pass "
+                        "--init-from the checkpoint")
+    if args.train_only and args.phase1_checkpoint:
+        problems.append("--train-only head with --phase1-checkpoint: phase 2 carries phase 1's optimizer over every "
+                        "parameter; train the head in a run of its own (--init-from an export)")
     return problems
 
 

@@ -58,17 +58,26 @@ def effective_preset(args: argparse.Namespace, fetch: bool = False) -> str | Non
     return matching_preset(folder, electra) if folder is not None else None
 
 
-def effective_vocab_size(args: argparse.Namespace) -> int:
-    """The model's vocabulary rows for the memory estimate: an --init-from checkpoint's own (read from its config
-    where it is here), else the presets' (bert-base-uncased's)."""
+def init_config(args: argparse.Namespace) -> dict:
+    """The --init-from checkpoint's config.json (an ELECTRA export's discriminator's) where it is here; {} else."""
     folder = hub.folder_or_cached(args.init_from) if args.init_from else None
     if folder is None:
-        return VOCAB_SIZE
+        return {}
     config = folder / "discriminator" / "config.json" if is_electra_checkpoint(folder) else folder / "config.json"
     try:
-        return int(json.loads(config.read_text()).get("vocab_size") or VOCAB_SIZE)
-    except (OSError, ValueError, TypeError):
-        return VOCAB_SIZE
+        read = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return {}
+    return read if isinstance(read, dict) else {}
+
+
+def memory_shape(args: argparse.Namespace) -> dict:
+    """What the memory estimate needs beyond the preset: the model's vocabulary rows (an --init-from's own, else the
+    presets'), the head stage, and an untied decoder (--untie-decoder, or a checkpoint exported untied)."""
+    config = init_config(args)
+    return {"vocab_size": int(config.get("vocab_size") or VOCAB_SIZE),
+            "head_only": getattr(args, "train_only", None) == "head",
+            "untied": bool(getattr(args, "untie_decoder", False)) or config.get("tie_word_embeddings") is False}
 
 
 def resolve_config(args: argparse.Namespace, world_size: int, capability=_LOCAL,
@@ -116,8 +125,7 @@ def memory_micro_cap(args: argparse.Namespace, path: str | Path, capability, mem
     predictions = args.max_predictions or default_max_predictions(args.seq_len, getattr(args, "mlm_probability", None)
                                                                   or DEFAULT_RATE)
     micro, line = memory.micro_for_memory(memory_gib, preset, precision, args.seq_len, predictions, args.sr,
-                                          bool(getattr(args, "activation_checkpointing", False)),
-                                          effective_vocab_size(args), getattr(args, "train_only", None) == "head")
+                                          bool(getattr(args, "activation_checkpointing", False)), **memory_shape(args))
     return micro, [line]
 
 

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from truneg.model.head import head_prefix
+from truneg.model.head import head_prefix, untie_decoder
 from truneg.model.presets import BERT_PRESETS, ELECTRA_PRESETS, VOCAB_SIZE, is_electra
 from truneg.model.pretrainers import ObjectiveConfig, build_pretrainer
 
@@ -46,23 +46,25 @@ def local_memory_gib() -> float | None:
 
 
 @functools.cache
-def parameter_count(preset: str, vocab_size: int = VOCAB_SIZE, head_only: bool = False) -> int:
+def parameter_count(preset: str, vocab_size: int = VOCAB_SIZE, head_only: bool = False, untied: bool = False) -> int:
     """Trainable parameters of a preset (shared embeddings once) at a vocabulary size (an --init-from's own: a
     RoBERTa's 50k rows, XLM-R's 250k), built on the meta device: no memory. `head_only`: the MLM head's alone
-    (--train-only head, its decoder tied)."""
+    (--train-only head); `untied`: the decoder a parameter of its own (--untie-decoder, an untied checkpoint)."""
     with torch.device("meta"):
         model = build_pretrainer(preset, ObjectiveConfig(), vocab_size=vocab_size)
-    if head_only:  # (named once each: the tied decoder under the word embeddings' name)
+        if untied:
+            untie_decoder(model.mlm)
+    if head_only:  # (named once each: a tied decoder under the word embeddings' name)
         return sum(p.numel() for name, p in model.named_parameters() if name.startswith(head_prefix(model)))
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int, sr: str = "none",
-                 checkpointing: bool = False, vocab_size: int = VOCAB_SIZE, head_only: bool = False
-                 ) -> tuple[float, float]:
+                 checkpointing: bool = False, vocab_size: int = VOCAB_SIZE, head_only: bool = False,
+                 untied: bool = False) -> tuple[float, float]:
     """(weights and optimizer states, activations per sample) in GiB for one GPU; `checkpointing`: with
     --activation-checkpointing; `vocab_size`: the model's rows (the preset's sizes, a checkpoint's vocabulary);
-    `head_only`: --train-only head (a tied decoder)."""
+    `head_only`: --train-only head; `untied`: an untied decoder (parameter_count's)."""
     if is_electra(preset):
         encoders = [(s["num_hidden_layers"], s["hidden_size"]) for s in ELECTRA_PRESETS[preset]]
         extra = [encoders[0]] if sr == "sent" else []  # SR_Sent: the discriminator encodes the original too
@@ -80,21 +82,21 @@ def estimate_gib(preset: str, precision: str, seq_len: int, max_predictions: int
     else:
         layers = ACTIVATION_BYTES * tokens
     per_sample = scale * (layers + HEAD_BYTES * head)
-    total = parameter_count(preset, vocab_size)
+    total = parameter_count(preset, vocab_size, untied=untied)
     if not head_only:
         return total * STATE_BYTES[precision] / 2**30, per_sample / 2**30
-    trained = parameter_count(preset, vocab_size, head_only=True)
+    trained = parameter_count(preset, vocab_size, head_only=True, untied=untied)
     weight_bytes = 4 if precision == "fp32" else 2
     return (trained * STATE_BYTES[precision] + (total - trained) * weight_bytes) / 2**30, per_sample / 2**30
 
 
 def micro_for_memory(memory_gib: float, preset: str, precision: str, seq_len: int, max_predictions: int,
                      sr: str = "none", checkpointing: bool = False, vocab_size: int = VOCAB_SIZE,
-                     head_only: bool = False) -> tuple[int, str]:
+                     head_only: bool = False, untied: bool = False) -> tuple[int, str]:
     """The largest power-of-two micro-batch (at most MAX_MICRO, at least 1) whose estimate fits the GPU, and a line
     with the estimate."""
     static, per_sample = estimate_gib(preset, precision, seq_len, max_predictions, sr, checkpointing, vocab_size,
-                                      head_only)
+                                      head_only, untied)
     budget = USABLE * memory_gib - HEADROOM_GIB
     micro = MAX_MICRO
     while micro > 1 and static + micro * per_sample > budget:

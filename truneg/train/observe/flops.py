@@ -12,8 +12,9 @@ The pre-trainers as they run:
   only at the `max_predictions` gathered positions of each sequence, padding slots included.
 - ELECTRA: the generator and the discriminator each, with their embedding projections where the embedding is
   narrower than the encoder; the generator's head at the gathered positions, the discriminator's at every one.
-- `--train-only head`: the frozen encoder runs its forward alone (nothing needs its gradients), and only the head
-  counts a training step's 3 forwards (its transform's input gradient, which nothing needs either, counted too).
+- `--train-only head`: the frozen encoder runs its forward alone (nothing needs its gradients); the head's backward
+  takes the transform's weight gradient (not its input's) and the decoder's input gradient (and its weight gradient
+  when untied): 2 forwards' worth each, 3 for an untied decoder.
 - SR_Sent's extra encoder passes count as model FLOPs: they are forwards of the encoder being trained, and their
   gradients flow back through it (bert-base at seq 128: 1.96x the baseline's FLOPs at the default target, 2.92x
   with `--sr-sent-target original`; electra-base 1.86x, its one discriminator pass). An SR_Sent run's MFU is then
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 from transformers import BertConfig, ElectraConfig
 
 from truneg.data.masking import default_max_predictions
+from truneg.model.head import is_untied
 from truneg.model.presets import BERT_PRESETS, ELECTRA_PRESETS, check_preset, common_config, is_electra
 
 if TYPE_CHECKING:
@@ -99,11 +101,14 @@ def forward_flops(sizes: dict[str, EncoderSize], seq_len: int, max_predictions: 
 
 
 def train_flops(sizes: dict[str, EncoderSize], seq_len: int, max_predictions: int, sr: str = "none",
-                sr_sent_target: str = "masked", head_only: bool = False) -> float:
-    """FLOPs of one training sample: forward and backward (`head_only`: the encoder's forward, the head's three)."""
+                sr_sent_target: str = "masked", head_only: bool = False, untied: bool = False) -> float:
+    """FLOPs of one training sample: forward and backward (`head_only`: the frozen encoder's forward, and the head's
+    forward and the backward it needs; `untied`: its decoder is trained)."""
     if head_only:
         bert = sizes["bert"]
-        return encoder_flops(bert, seq_len) + TRAINING_FACTOR * bert_head_flops(bert, max_predictions)
+        transform = 2 * max_predictions * bert.hidden * bert.hidden
+        decoder = 2 * max_predictions * bert.hidden * bert.vocab
+        return encoder_flops(bert, seq_len) + 2 * transform + (3 if untied else 2) * decoder
     return TRAINING_FACTOR * forward_flops(sizes, seq_len, max_predictions, sr, sr_sent_target)
 
 
@@ -118,8 +123,9 @@ def model_sizes(model: BertPretrainer | ElectraPretrainer) -> dict[str, EncoderS
 def model_train_flops(model: BertPretrainer | ElectraPretrainer, seq_len: int, max_predictions: int) -> float:
     """FLOPs of one training sample of this pre-trainer, with its own objective (SR_Sent's passes)."""
     objective = model.objective
+    head_only = getattr(model, "encoder_frozen", False)
     return train_flops(model_sizes(model), seq_len, max_predictions, objective.sr, objective.sr_sent_target,
-                       head_only=getattr(model, "encoder_frozen", False))
+                       head_only=head_only, untied=head_only and is_untied(model.mlm))
 
 
 def preset_sizes(preset: str) -> dict[str, EncoderSize]:
