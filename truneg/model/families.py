@@ -35,7 +35,6 @@ ROBERTA_TYPES = ("roberta", "xlm-roberta")
 MODEL_TYPES = ("bert", "electra", *ROBERTA_TYPES)  # every model_type --init-from takes
 # model_types users reach for that truneg refuses, and why (the others: "not a masked LM truneg builds")
 REFUSED_TYPES = {"deberta-v2": "its public checkpoints carry no trained MLM head",
-                 "deberta": "its public checkpoints carry no trained MLM head",
                  "gpt2": "a causal LM, not a masked one", "t5": "a sequence-to-sequence model, not a masked LM"}
 
 
