@@ -23,11 +23,12 @@ FN_DATA=$SHARED/wikitext-2-raw/wiki.valid.raw TASKS=${TASKS-rte,mrpc,cola,sst2} 
 if [ "$HEAD_STEPS" -gt 0 ]; then  # (HEAD_STEPS=0: no head stage, the variants start the new head with the encoder)
   ${DRY_RUN:+echo} deepspeed --num_gpus 1 --master_port "${PORT:-29517}" truneg/pretrain.py --init-from "$MINILM" \
     --new-head --train-only head ${UNTIE:+--untie-decoder} --deepspeed_config bench/minilm/ds_config.json \
-    --seq-len 128 --max-steps "$HEAD_STEPS" --save-steps $((HEAD_STEPS / 4)) --log-steps $((HEAD_STEPS / 8)) \
+    --seq-len 128 --max-steps "$HEAD_STEPS" --save-steps $(((HEAD_STEPS + 3) / 4)) \
+    --log-steps $(((HEAD_STEPS + 7) / 8)) \
     --lr 1e-3 --train-data "$SHARED/british-novels" --output-dir "$HEAD"
   [ -f "$HEAD/hf/config.json" ] || ${DRY_RUN:+echo} truneg export "$HEAD/checkpoints" "$HEAD/hf"
   [ -f "$HEAD/fn-stats/fn_stats.json" ] || ${DRY_RUN:+echo} truneg fn-stats --checkpoints "$HEAD/checkpoints" \
-    --data "$FN_DATA" --max-sequences "${FN_SEQ:-500}" --out "$HEAD/fn-stats"
+    --data "$FN_DATA" --segmentation line --max-sequences "${FN_SEQ:-500}" --out "$HEAD/fn-stats"  # (the ablation's)
   START=("$HEAD/hf")
 else
   START=("$MINILM" --new-head)

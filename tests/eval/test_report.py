@@ -265,10 +265,15 @@ def test_the_minilm_pages_tables_rebuild_from_their_kept_files(tmp_path):
     """docs/minilm.md's tables come from the files kept in docs/minilm/: `truneg report` of its results gives the kept
     CSVs byte for byte (a report that changed, or files copied from another run, would not)."""
     kept = REPO / "docs" / "minilm"
-    proc = cli_in_process("report", str(kept / "results"), "--out", str(tmp_path))
+    proc = cli_in_process("report", str(kept / "results"), "--out", str(tmp_path / "page"))
     assert proc.returncode == 0, proc.stderr
     for name in ("glue.csv", "glue_paired.csv", "false_negatives.csv"):
-        assert (tmp_path / name).read_bytes() == (kept / name).read_bytes(), name
+        assert (tmp_path / "page" / name).read_bytes() == (kept / name).read_bytes(), name
+    # the run with a head stage first (its Table 2 and the curve against accuracy; no GLUE)
+    proc = cli_in_process("report", str(kept / "head_stage" / "results"), "--out", str(tmp_path / "head"))
+    assert proc.returncode == 0, proc.stderr
+    for name in ("false_negatives.csv", "false_negatives_accuracy.csv"):
+        assert (tmp_path / "head" / name).read_bytes() == (kept / "head_stage" / name).read_bytes(), name
 
 
 def test_false_negatives_against_accuracy_with_wilson_intervals_and_the_papers_bands(tmp_path):

@@ -107,9 +107,9 @@ def write_curve(points: list[dict], out: Path, footer: str) -> list[Path]:
         cells = [interval(p[k], p[f"{k}_low"], p[f"{k}_high"]) if p[k] is not None else "–" for k in COUNTS]
         lines.append(f"| {p['run']} | {p['step']} | {' | '.join(cells)} |")
     lines += ["", "The paper's Table 2 gives no MLM accuracy; the accuracy its Pred. range implies under this curve "
-              "(linear interpolation between neighbouring points in order of accuracy):", ""]
-    lines += [f"- {size} (Pred. {band['pred'][0]}-{band['pred'][1]} %): {implied_accuracy(points, band['pred'])}"
-              for size, band in PAPER_BANDS.items()]
+              "(every run's points together, linear between neighbours in order of accuracy):", ""]
+    lines += [f"- {size} (Pred. {band['pred'][0]:.2f}-{band['pred'][1]:.2f} %): "
+              f"{implied_accuracy(points, band['pred'])}" for size, band in PAPER_BANDS.items()]
     lines += ["", "Iter. depends on the masks per sequence and on the segmentation, which the paper does not state.",
               "", footer]
     (out / "false_negatives_accuracy.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
