@@ -37,7 +37,7 @@ ${DRY_RUN:+echo} truneg ablation --init-from "${START[@]}" \
   --deepspeed_config bench/minilm/ds_config.json --num-gpus 1 --seq-len 128 --steps "${STEPS:-160}" \
   --train-data "$SHARED/british-novels" \
   --fn-checkpoints 25,50,75,100 --fn-data "$FN_DATA" --fn-max-sequences "${FN_SEQ:-500}" \
-  --tasks "$TASKS" --glue-dir "$SHARED/glue" --max-train-samples "${SAMPLES:-300}" \
+  --tasks="$TASKS" --glue-dir "$SHARED/glue" --max-train-samples "${SAMPLES:-300}" \
   --epochs "${EPOCHS:-2}" --finetune-seeds "${SEEDS:-1,2,3}" ${TASKS:+--robustness sst2} --output-dir "$OUT"
 ${DRY_RUN:+echo} truneg fn-stats --checkpoints "$OUT/HC/checkpoints/global_step${STEPS:-160}" \
   --data "$SHARED/british-novels" --segmentation packed --max-sequences 1000 --out "$OUT/HC/fn-novels"

@@ -211,17 +211,33 @@ def test_each_variant_launches_pretrain_with_its_objectives_and_the_shared_flags
 
 
 def test_the_minilm_script_runs_an_ablation_that_passes_its_checks(tmp_path):
-    """bench/minilm/run.sh (docs/minilm.md) as written: its `truneg ablation` parses, launches pretrain.py with the
-    checkpoint's own architecture and --new-head, and passes every check before the first pre-training; --preset
-    auto without --init-from and a --robustness task not fine-tuned are refused in one line."""
+    """bench/minilm/run.sh (docs/minilm.md) as written: with HEAD_STEPS=0 (the page's first run) its `truneg ablation`
+    parses, launches pretrain.py with the checkpoint's own architecture and --new-head, and passes every check before
+    the first pre-training; --preset auto without --init-from and a --robustness task not fine-tuned are refused in
+    one line. By default a head stage comes first (pretrain.py's arguments parse), its export and fn-stats by line,
+    and the ablation continues from the export, without --new-head; TASKS='' fine-tunes nothing."""
     from truneg.cli import build_parser
     from truneg.errors import UserError
     from truneg.eval import ablation
+    from truneg.train.config.args import parse_args
 
     need_shared(SHARED_DATA / "glue")
-    printed = subprocess.run(["bash", "bench/minilm/run.sh", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                             env={"DRY_RUN": "1", "SHARED": str(SHARED_DATA), "PATH": "/usr/bin:/bin"}, check=True)
-    ablation_line, fn_stats_line = printed.stdout.splitlines()
+
+    def dry_run(**env) -> list[str]:
+        return subprocess.run(["bash", "bench/minilm/run.sh", str(tmp_path)], cwd=REPO, capture_output=True,
+                              text=True, check=True, env={"DRY_RUN": "1", "SHARED": str(SHARED_DATA),
+                                                          "PATH": "/usr/bin:/bin", **env}).stdout.splitlines()
+
+    head, export, head_stats, staged, _ = dry_run()
+    head_args = parse_args(head.split()[head.split().index("truneg/pretrain.py") + 1:])
+    assert (head_args.train_only, head_args.new_head, head_args.max_steps, head_args.lr) == ("head", True, 400, 1e-3)
+    assert export.split()[1:] == ["export", str(tmp_path / "head" / "checkpoints"), str(tmp_path / "head" / "hf")]
+    assert build_parser().parse_args(head_stats.split()[1:]).segmentation == "line"
+    staged_args = build_parser().parse_args(["ablation", *staged.split()[2:]])
+    assert staged_args.init_from == str(tmp_path / "head" / "hf") and not staged_args.new_head
+    no_glue = build_parser().parse_args(["ablation", *dry_run(TASKS="")[3].split()[2:]])
+    assert ablation._check(no_glue, tmp_path) == [] and no_glue.robustness is None
+    ablation_line, fn_stats_line = dry_run(HEAD_STEPS="0")
     words = ablation_line.split()[2:]  # after `truneg ablation`
     args = build_parser().parse_args(["ablation", *words])
     # then the novels' Table 2 of HC's last checkpoint, which docs/minilm.md quotes
