@@ -23,13 +23,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from truneg.data.blocks import load_tokenizer, open_training_blocks  # noqa: E402
-from truneg.data.masking import default_max_predictions, mask_scheme, mask_tokens  # noqa: E402
+from truneg.data.masking import default_max_predictions, mask_scheme, mask_tokens, word_boundaries  # noqa: E402
 from truneg.data.words import tokenizer_kind  # noqa: E402
 from truneg.synonyms.sources import wordnet_for_vocab  # noqa: E402
 from truneg.synonyms.table import (  # noqa: E402
     SynonymLookup,
     SynonymTable,
-    continuing_pieces,
     eligible_token_ids,
 )
 
@@ -70,15 +69,13 @@ def main() -> None:
         slots = default_max_predictions(args.seq_len, args.mlm_probability)
         blocks, _ = open_training_blocks([args.data], tokenizer, args.seq_len, cache_dir=Path(cache))
         judged = whole_words = masked = 0
+        # whole words as training takes them: WordPiece's by `##`, a BPE's by the starts its preparation stored
+        continues, stored = word_boundaries(tokenizer, blocks) if args.whole_word_masking else (None, False)
         for start in range(0, len(blocks), 256):
             indices = np.arange(start, min(start + 256, len(blocks)))
-            # whole words as training takes them: WordPiece's by `##`, a BPE's by the starts its preparation stored
-            by_pieces = args.whole_word_masking and kind == "WordPiece"
-            by_starts = args.whole_word_masking and kind != "WordPiece"
             batch = mask_tokens(blocks[indices], tokenizer.all_special_ids, tokenizer.mask_token_id, len(tokenizer),
-                                mask_scheme("bert", args.mlm_probability), 42, 0, indices, slots,
-                                continuing_pieces(tokens) if by_pieces else None,
-                                blocks.word_starts(indices) if by_starts else None)
+                                mask_scheme("bert", args.mlm_probability), 42, 0, indices, slots, continues,
+                                blocks.word_starts(indices) if stored else None)
             original, positions, valid = batch["original_ids"], batch["masked_positions"], batch["masked_valid"]
             gold = original.gather(1, positions)
             following = original.gather(1, (positions + 1).clamp(max=original.shape[1] - 1))

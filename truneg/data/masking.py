@@ -214,6 +214,17 @@ def _stop_workers(loader_iterator: weakref.ref) -> None:
         iterator._shutdown_workers()  # what its __del__ does
 
 
+def word_boundaries(tokenizer, blocks) -> tuple[np.ndarray | None, bool]:
+    """Where whole-word masking reads the words: (WordPiece's continuing pieces over the vocab, False), or (None,
+    True) for another kind, whose word starts the prepared `blocks` hold (PreparedBlocks.word_starts)."""
+    if tokenizer_kind(tokenizer) == "WordPiece":
+        return continuing_pieces(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))), False
+    if not getattr(blocks, "has_word_starts", False):
+        raise UserError("--whole-word-masking: the prepared blocks hold no word starts; prepare the corpus again with "
+                        "`truneg prepare ... --out NEW_DIR`")
+    return None, True
+
+
 class MaskedBatches:
     """Iterator of masked micro-batches for one rank (dicts of tensors, see `mask_tokens`).
 
@@ -229,14 +240,7 @@ class MaskedBatches:
                  workers: int = 0, device: torch.device | None = None, whole_words: bool = False):
         self.device = device if device is not None and device.type != "cpu" else None
         pin_memory = self.device is not None and self.device.type == "cuda"
-        continues, stored = None, False
-        if whole_words and tokenizer_kind(tokenizer) == "WordPiece":
-            continues = continuing_pieces(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-        elif whole_words:
-            if not getattr(blocks, "has_word_starts", False):
-                raise UserError("--whole-word-masking: the prepared blocks hold no word starts; prepare the corpus "
-                                "again with `truneg prepare ... --out NEW_DIR`")
-            stored = True
+        continues, stored = word_boundaries(tokenizer, blocks) if whole_words else (None, False)
         dataset = _MaskedMicroBatches(blocks, sorted(tokenizer.all_special_ids), tokenizer.mask_token_id,
                                       len(tokenizer), scheme, seed, max_predictions, continues, stored)
         self.position = sampler.state_dict()
