@@ -409,6 +409,26 @@ def resume_and_match(cmd_args: list[str], out: Path, resumed_from: int, referenc
     assert_resumed_as_the_reference(second.stdout, out, resumed_from, reference, reference_evals)
 
 
+def killed_as_it_saves_then_resumed(env: dict, argv: list[str], out: Path, tag: str, reference: list[dict],
+                                     reference_evals: list[dict] | None = None) -> None:
+    """Two ranks started as mpirun starts them (no launcher to pay for) with `argv` into `out`, both killed with
+    SIGKILL as checkpoint `tag` is being written; the same command again resumes from `latest`, and the whole run's
+    records equal the unbroken reference's (assert_resumed_as_the_reference)."""
+    ranks = start_as_mpirun(env, free_port(), [argv] * 2)
+    try:
+        hit = wait_for(lambda: any(r.poll() is not None for r in ranks) or (out / "checkpoints" / tag).is_dir(),
+                       timeout=240, interval=0.002)
+    finally:
+        for rank in ranks:
+            rank.send_signal(signal.SIGKILL)
+        outputs = finished(ranks)
+    assert hit and all(r.returncode == -signal.SIGKILL for r in ranks), outputs[0][-3000:]
+    resumed_from = int((out / "checkpoints" / "latest").read_text().removeprefix("global_step"))
+    codes, outputs = started_as_mpirun(env, free_port(), [argv] * 2)
+    assert codes == [0, 0], outputs[0][-3000:]
+    assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference, reference_evals)
+
+
 def positions_from_labels(labels, max_predictions: int | None = None) -> tuple:
     """(masked_positions, masked_valid) of an MLM `labels` tensor (-100 where not masked): for tests that
     write HF-style labels. Runs on the host (it sorts a boolean mask)."""

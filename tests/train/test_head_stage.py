@@ -5,7 +5,6 @@ refusals."""
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,11 @@ from conftest import (
     MAX_STEPS,
     REPO,
     SAVE_STEPS,
-    assert_resumed_as_the_reference,
     comparable,
-    finished,
     free_port,
+    killed_as_it_saves_then_resumed,
     read_metrics,
-    start_as_mpirun,
     started_as_mpirun,
-    wait_for,
 )
 from safetensors.torch import load_file
 from transformers import BertConfig, BertForMaskedLM
@@ -129,19 +125,7 @@ def test_a_killed_head_stage_resumes_bitwise(checkpoint, tmp_path, launch_env, s
     reference = comparable(read_metrics(reference_dir))
     assert reference[-1]["loss"] < reference[2]["loss"] and all(r["hc_reach"] > 0 for r in reference)
     out = tmp_path / "killed"
-    ranks = start_as_mpirun(launch_env, free_port(), [args(out)] * 2)
-    try:
-        hit = wait_for(lambda: any(r.poll() is not None for r in ranks)
-                       or (out / "checkpoints" / "global_step16").is_dir(), timeout=240, interval=0.002)
-    finally:
-        for rank in ranks:
-            rank.send_signal(signal.SIGKILL)
-        outputs = finished(ranks)
-    assert hit and all(r.returncode == -signal.SIGKILL for r in ranks), outputs[0][-3000:]
-    resumed_from = int((out / "checkpoints" / "latest").read_text().removeprefix("global_step"))
-    codes, outputs = started_as_mpirun(launch_env, free_port(), [args(out)] * 2)
-    assert codes == [0, 0], outputs[0][-3000:]
-    assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference)
+    killed_as_it_saves_then_resumed(launch_env, args(out), out, "global_step16", reference)
 
 
 def test_the_frozen_encoder_runs_without_dropout_and_counts_no_backward_nor_optimizer_state(checkpoint):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 
 import numpy as np
 import pytest
@@ -15,19 +14,15 @@ from conftest import (
     MAX_STEPS,
     REPO,
     SAVE_STEPS,
-    assert_resumed_as_the_reference,
     cli_in_process,
     comparable,
     deepspeed_cmd,
-    finished,
     free_port,
     hub_snapshot,
+    killed_as_it_saves_then_resumed,
     read_metrics,
     roberta_folder,
     run,
-    start_as_mpirun,
-    started_as_mpirun,
-    wait_for,
 )
 from torch._dynamo.utils import counters
 
@@ -176,21 +171,8 @@ def test_two_ranks_continue_a_roberta_with_hc_and_sr_resume_bitwise_after_kill_9
     assert all(r["loss"] == pytest.approx(r["mlm_loss"] + r["sr_loss"], rel=1e-5) for r in reference)
     assert reference_evals[-1]["eval_mlm_loss"] < reference_evals[0]["eval_mlm_loss"]
 
-    # the killed run and its resume started as mpirun starts ranks (no launcher to pay for)
     out = tmp_path / "killed"
-    ranks = start_as_mpirun(env, free_port(), [args(out)] * 2)
-    try:
-        hit = wait_for(lambda: any(r.poll() is not None for r in ranks)
-                       or (out / "checkpoints" / "global_step16").is_dir(), timeout=240, interval=0.002)
-    finally:
-        for rank in ranks:
-            rank.send_signal(signal.SIGKILL)
-        outputs = finished(ranks)
-    assert hit and all(r.returncode == -signal.SIGKILL for r in ranks), outputs[0][-3000:]
-    resumed_from = int((out / "checkpoints" / "latest").read_text().removeprefix("global_step"))
-    codes, outputs = started_as_mpirun(env, free_port(), [args(out)] * 2)
-    assert codes == [0, 0], outputs[0][-3000:]
-    assert_resumed_as_the_reference(outputs[0], out, resumed_from, reference, reference_evals)
+    killed_as_it_saves_then_resumed(env, args(out), out, "global_step16", reference, reference_evals)
 
     from safetensors.torch import load_file
     from transformers import AutoModelForMaskedLM, AutoTokenizer
