@@ -14,9 +14,7 @@ import csv
 import math
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
-from truneg.eval.figures import save_with_footer
+from truneg.eval.figures import FN_LEVELS, false_negative_panels, save_with_footer
 
 Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 # Table 2 of the paper, over its checkpoints (percent): (low, high) of each model size's range
@@ -114,20 +112,14 @@ def write_curve(points: list[dict], out: Path, footer: str) -> list[Path]:
               "", footer]
     (out / "false_negatives_accuracy.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
-    figure = Figure(figsize=(8, 3.6))
-    axes = figure.subplots(1, 2)
-    for ax, key, title in zip(axes, ("iter", "pred"), ("iteration level (% of sequences)",
-                                                       "prediction level (% of mismatches)")):
+    figure, axes = false_negative_panels("MLM accuracy (%)")
+    for ax, key in zip(axes, FN_LEVELS):
         for (size, band), colour in zip(PAPER_BANDS.items(), ("tab:gray", "tab:olive")):
             ax.axhspan(*band[key], color=colour, alpha=0.3, label=f"paper, {size}")
         for run in dict.fromkeys(p["run"] for p in points):
             shown = [p for p in points if p["run"] == run and p[key] is not None]
             ax.errorbar([p["accuracy"] for p in shown], [p[key] for p in shown], fmt="o-", capsize=2, label=run,
                         xerr=_arms(shown, "accuracy"), yerr=_arms(shown, key))
-        ax.set_xlabel("MLM accuracy (%)")
-        ax.set_ylabel("false negatives (%)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6)
     save_with_footer(figure, footer, out / "false_negatives_accuracy.png")
     return [out / f"false_negatives_accuracy.{ext}" for ext in ("md", "csv", "png")]

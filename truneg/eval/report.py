@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 
 from truneg.errors import UserError
 from truneg.eval.accuracy_curve import curve_points, write_curve
-from truneg.eval.figures import save_with_footer
+from truneg.eval.figures import FN_LEVELS, false_negative_panels, save_with_footer
 from truneg.eval.live_report import check_one_table, fn_stats_rows, live_evaluations, write_eval
 from truneg.eval.paired import gather_robustness, paired, write_glue_paired, write_robustness
 from truneg.eval.variants import AVERAGED, BASELINE, GLUE_COLUMNS, VARIANTS, variant_of_folder
@@ -248,18 +248,12 @@ def write_fn(rows: list[dict], out: Path, footer: str) -> list[Path]:
         for r in rows:
             writer.writerow([r["run"], r["checkpoint"] or "", "" if r["step"] is None else r["step"],
                              _blank(r["progress"]), _blank(r["iter"]), _blank(r["pred"]), _blank(r["accuracy"])])
-    figure = Figure(figsize=(8, 3.6))
-    axes = figure.subplots(1, 2)
+    figure, axes = false_negative_panels("checkpoint (% of training)")
     for run in dict.fromkeys(r["run"] for r in rows):
         points = [r for r in rows if r["run"] == run and r["progress"] is not None]
-        for ax, key in zip(axes, ("iter", "pred")) if points else ():
+        for ax, key in zip(axes, FN_LEVELS) if points else ():
             shown = [p for p in points if p[key] is not None]
             ax.plot([p["progress"] for p in shown], [p[key] for p in shown], "o-", label=run)
-    for ax, title in zip(axes, ("iteration level (% of sequences)", "prediction level (% of mismatches)")):
-        ax.set_xlabel("checkpoint (% of training)")
-        ax.set_ylabel("false negatives (%)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     save_with_footer(figure, footer, out / "false_negatives.png")
     return [out / "false_negatives.md", out / "false_negatives.csv", out / "false_negatives.png"]
